@@ -1,0 +1,304 @@
+/* The shared-memory batch ring: layout, states and memory ordering are drawn
+ * in shmring.h. */
+#define _GNU_SOURCE
+#include "shmring.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define CACHE_LINE 64
+
+struct shmring_header {
+    _Atomic uint64_t magic;
+    uint32_t version;
+    uint32_t nslots;
+    uint64_t slot_bytes;  /* page-aligned */
+    uint64_t data_off;    /* page-aligned offset of slot 0's data */
+    uint64_t total_bytes; /* data_off + nslots * slot_bytes */
+    uint32_t owner_uid;
+    uint32_t header_bytes; /* sizeof(struct shmring_header): a layout check */
+    char pad0[CACHE_LINE - 6 * 8];
+    /* Written by the consumer, read by every producer on publish: its own
+     * cache line so producers' slot writes do not bounce it. */
+    _Atomic uint32_t consumer_sleeping;
+    char pad1[CACHE_LINE - 4];
+};
+
+struct shmring_slot {
+    _Atomic uint32_t state; /* enum shmring_state */
+    uint32_t pad;
+    uint64_t seq;      /* written by the producer before publish */
+    uint64_t meta_off; /* idem: where the metadata lies inside the slot */
+    uint64_t meta_len;
+    char pad1[CACHE_LINE - 4 * 8];
+};
+
+_Static_assert(sizeof(struct shmring_header) == 2 * CACHE_LINE, "header layout");
+_Static_assert(sizeof(struct shmring_slot) == CACHE_LINE, "slot layout");
+
+struct shmring {
+    char *base;
+    uint64_t map_bytes;
+    int fd;
+    int efd;
+    struct shmring_header *hdr;
+    struct shmring_slot *slots;
+};
+
+static uint64_t round_up(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
+
+static uint64_t page_size(void) { return (uint64_t)sysconf(_SC_PAGESIZE); }
+
+static uint64_t data_offset(uint32_t nslots) {
+    return round_up(sizeof(struct shmring_header) + (uint64_t)nslots * sizeof(struct shmring_slot),
+                    page_size());
+}
+
+/* Map fd and fill the handle; MAP_POPULATE prefaults every page table entry
+ * now so that no batch pays page faults later. */
+static int map_segment(int fd, int efd, uint64_t bytes, shmring_t **out) {
+    shmring_t *r = calloc(1, sizeof(*r));
+    if (!r) return -ENOMEM;
+    void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    if (base == MAP_FAILED) {
+        int err = errno;
+        free(r);
+        return -err;
+    }
+    r->base = base;
+    r->map_bytes = bytes;
+    r->fd = fd;
+    r->efd = efd;
+    r->hdr = (struct shmring_header *)base;
+    r->slots = (struct shmring_slot *)(r->base + sizeof(struct shmring_header));
+    *out = r;
+    return 0;
+}
+
+int shmring_create(const char *name, uint32_t nslots, uint64_t slot_bytes, shmring_t **out) {
+    if (nslots == 0 || nslots > SHMRING_MAX_SLOTS || slot_bytes == 0) return -EINVAL;
+    uint64_t slot = round_up(slot_bytes, page_size());
+    uint64_t data_off = data_offset(nslots);
+    if (slot > (UINT64_MAX - data_off) / nslots) return -EOVERFLOW;
+    uint64_t total = data_off + (uint64_t)nslots * slot;
+    if (total > (uint64_t)INT64_MAX) return -EOVERFLOW;
+
+    int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) return -errno;
+    int err = 0;
+    int efd = -1;
+    if (ftruncate(fd, (off_t)total) != 0) {
+        err = errno;
+        goto fail;
+    }
+    /* posix_fallocate returns the error instead of setting errno. */
+    err = posix_fallocate(fd, 0, (off_t)total);
+    if (err) goto fail;
+    efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (efd < 0) {
+        err = errno;
+        goto fail;
+    }
+    err = -map_segment(fd, efd, total, out);
+    if (err) goto fail;
+
+    struct shmring_header *h = (*out)->hdr;
+    h->version = SHMRING_VERSION;
+    h->nslots = nslots;
+    h->slot_bytes = slot;
+    h->data_off = data_off;
+    h->total_bytes = total;
+    h->owner_uid = (uint32_t)geteuid();
+    h->header_bytes = sizeof(struct shmring_header);
+    atomic_init(&h->consumer_sleeping, 0);
+    for (uint32_t i = 0; i < nslots; i++) atomic_init(&(*out)->slots[i].state, SHMRING_FREE);
+    /* The magic goes last, with release order: an attacher that sees it sees
+     * a complete header. */
+    atomic_store_explicit(&h->magic, SHMRING_MAGIC, memory_order_release);
+    return 0;
+
+fail:
+    if (efd >= 0) close(efd);
+    close(fd);
+    shm_unlink(name);
+    return -err;
+}
+
+int shmring_attach(int fd, int efd, shmring_t **out) {
+    struct stat st;
+    if (fstat(fd, &st) != 0) return -errno;
+    if (st.st_uid != geteuid() || (st.st_mode & 077) != 0) return -EPERM;
+    if ((uint64_t)st.st_size < sizeof(struct shmring_header)) return -EBADMSG;
+
+    int myfd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (myfd < 0) return -errno;
+    int myefd = fcntl(efd, F_DUPFD_CLOEXEC, 0);
+    if (myefd < 0) {
+        int err = errno;
+        close(myfd);
+        return -err;
+    }
+    int err = -map_segment(myfd, myefd, (uint64_t)st.st_size, out);
+    if (err) {
+        close(myfd);
+        close(myefd);
+        return -err;
+    }
+    const struct shmring_header *h = (*out)->hdr;
+    uint64_t magic = atomic_load_explicit(&h->magic, memory_order_acquire);
+    if (magic != SHMRING_MAGIC || h->header_bytes != sizeof(struct shmring_header))
+        err = EBADMSG;
+    else if (h->version != SHMRING_VERSION)
+        err = EPROTO;
+    else if (h->owner_uid != (uint32_t)geteuid())
+        err = EPERM;
+    else if (h->nslots == 0 || h->nslots > SHMRING_MAX_SLOTS ||
+             h->data_off != data_offset(h->nslots) || h->slot_bytes % page_size() != 0 ||
+             h->total_bytes != (uint64_t)st.st_size ||
+             h->data_off + (uint64_t)h->nslots * h->slot_bytes != h->total_bytes)
+        err = EBADMSG;
+    if (err) {
+        shmring_close_fds(*out);
+        shmring_destroy(*out);
+        *out = NULL;
+        return -err;
+    }
+    return 0;
+}
+
+int shmring_unlink(const char *name) { return shm_unlink(name) == 0 ? 0 : -errno; }
+
+void shmring_close_fds(shmring_t *r) {
+    if (r->fd >= 0) close(r->fd);
+    if (r->efd >= 0) close(r->efd);
+    r->fd = -1;
+    r->efd = -1;
+}
+
+void shmring_destroy(shmring_t *r) {
+    shmring_close_fds(r);
+    munmap(r->base, r->map_bytes);
+    free(r);
+}
+
+uint32_t shmring_nslots(const shmring_t *r) { return r->hdr->nslots; }
+uint64_t shmring_slot_bytes(const shmring_t *r) { return r->hdr->slot_bytes; }
+uint64_t shmring_total_bytes(const shmring_t *r) { return r->hdr->total_bytes; }
+int shmring_fd(const shmring_t *r) { return r->fd; }
+int shmring_eventfd(const shmring_t *r) { return r->efd; }
+
+char *shmring_slot_data(const shmring_t *r, uint32_t slot) {
+    return r->base + r->hdr->data_off + (uint64_t)slot * r->hdr->slot_bytes;
+}
+
+int shmring_slot_state(const shmring_t *r, uint32_t slot) {
+    if (slot >= r->hdr->nslots) return -EINVAL;
+    return (int)atomic_load_explicit(&r->slots[slot].state, memory_order_acquire);
+}
+
+/* Move `slot` from `from` to `to`; -EINVAL for a bad index, -EBUSY when the
+ * slot is not in `from` (a protocol error the caller reports). */
+static int transition(shmring_t *r, uint32_t slot, uint32_t from, uint32_t to,
+                      memory_order success) {
+    if (slot >= r->hdr->nslots) return -EINVAL;
+    uint32_t expected = from;
+    if (!atomic_compare_exchange_strong_explicit(&r->slots[slot].state, &expected, to, success,
+                                                 memory_order_relaxed))
+        return -EBUSY;
+    return 0;
+}
+
+int shmring_claim(shmring_t *r, uint32_t *slot) {
+    for (uint32_t i = 0; i < r->hdr->nslots; i++) {
+        if (transition(r, i, SHMRING_FREE, SHMRING_CLAIMED, memory_order_acquire) == 0) {
+            *slot = i;
+            return 0;
+        }
+    }
+    return -EAGAIN;
+}
+
+int shmring_publish(shmring_t *r, uint32_t slot, uint64_t seq, uint64_t meta_off,
+                    uint64_t meta_len) {
+    if (slot >= r->hdr->nslots) return -EINVAL;
+    if (meta_off > r->hdr->slot_bytes || meta_len > r->hdr->slot_bytes - meta_off)
+        return -ERANGE;
+    struct shmring_slot *s = &r->slots[slot];
+    s->seq = seq;
+    s->meta_off = meta_off;
+    s->meta_len = meta_len;
+    int rc = transition(r, slot, SHMRING_CLAIMED, SHMRING_READY, memory_order_seq_cst);
+    if (rc) return rc;
+    if (atomic_load_explicit(&r->hdr->consumer_sleeping, memory_order_seq_cst)) {
+        uint64_t one = 1;
+        /* EAGAIN means the counter is saturated: the consumer is woken anyway. */
+        if (write(r->efd, &one, sizeof(one)) < 0 && errno != EAGAIN) return -errno;
+    }
+    return 0;
+}
+
+int shmring_abandon(shmring_t *r, uint32_t slot) {
+    return transition(r, slot, SHMRING_CLAIMED, SHMRING_FREE, memory_order_release);
+}
+
+int shmring_acquire(shmring_t *r, uint32_t *slot, uint64_t *seq, uint64_t *meta_off,
+                    uint64_t *meta_len) {
+    for (uint32_t i = 0; i < r->hdr->nslots; i++) {
+        if (transition(r, i, SHMRING_READY, SHMRING_READING, memory_order_acquire) == 0) {
+            const struct shmring_slot *s = &r->slots[i];
+            *slot = i;
+            *seq = s->seq;
+            *meta_off = s->meta_off;
+            *meta_len = s->meta_len;
+            return 0;
+        }
+    }
+    return -EAGAIN;
+}
+
+int shmring_release(shmring_t *r, uint32_t slot) {
+    return transition(r, slot, SHMRING_READING, SHMRING_FREE, memory_order_release);
+}
+
+static int any_ready(const shmring_t *r) {
+    for (uint32_t i = 0; i < r->hdr->nslots; i++)
+        if (atomic_load_explicit(&r->slots[i].state, memory_order_seq_cst) == SHMRING_READY)
+            return 1;
+    return 0;
+}
+
+int shmring_wait(shmring_t *r, int timeout_ms, struct pollfd *fds, int nfds) {
+    if (nfds < 0 || nfds > 1024) return -EINVAL;
+    struct pollfd all[1025];
+    all[0].fd = r->efd;
+    all[0].events = POLLIN;
+    all[0].revents = 0;
+    for (int i = 0; i < nfds; i++) {
+        all[i + 1] = fds[i];
+        all[i + 1].revents = 0;
+    }
+    atomic_store_explicit(&r->hdr->consumer_sleeping, 1, memory_order_seq_cst);
+    int rc = 0;
+    if (!any_ready(r)) {
+        int n = poll(all, (nfds_t)nfds + 1, timeout_ms);
+        if (n < 0)
+            rc = -errno;
+        else if (n == 0)
+            rc = -ETIMEDOUT;
+    }
+    atomic_store_explicit(&r->hdr->consumer_sleeping, 0, memory_order_relaxed);
+    if (all[0].revents & POLLIN) {
+        uint64_t drained;
+        /* Non-blocking: another wake-up may have drained it already. */
+        if (read(r->efd, &drained, sizeof(drained)) < 0 && errno != EAGAIN) rc = -errno;
+    }
+    for (int i = 0; i < nfds; i++) fds[i].revents = all[i + 1].revents;
+    return rc;
+}

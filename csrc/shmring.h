@@ -1,0 +1,116 @@
+/*
+ * shmring: a ring of fixed-size batch slots in one POSIX shared-memory segment.
+ *
+ * The C core knows bytes and ordering only: it creates, attaches and maps the
+ * segment, moves slots through their states with C11 atomics, and sleeps in
+ * the kernel until something happens.  Every function returns 0 (or a count)
+ * on success and -errno on failure; it never prints, allocates Python objects
+ * or decides policy (sizes, names, what to do on error).
+ *
+ * Segment layout (all offsets from the segment base, which mmap page-aligns):
+ *
+ *   0        struct shmring_header   magic, version, geometry, owner,
+ *                                    consumer_sleeping (own cache line)
+ *   64       struct shmring_slot[n]  one 64-byte descriptor per slot
+ *   data_off slot 0 data             page-aligned, slot_bytes long
+ *            slot 1 data             data_off + 1 * slot_bytes
+ *            ...
+ *   total    = data_off + nslots * slot_bytes   (slot_bytes is page-aligned)
+ *
+ * Slot states and who moves them (one consumer process, many producers):
+ *
+ *   FREE --claim (consumer)--> CLAIMED --publish (producer)--> READY
+ *     ^  <--abandon (producer)--'                                |
+ *     '------------release (consumer)-- READING <--acquire-------'
+ *
+ * Memory ordering.  A producer writes the slot's data and its descriptor
+ * fields (seq, meta_off, meta_len) with plain stores, then publishes with a
+ * seq_cst CAS on `state`; the consumer's acquire CAS that observes READY
+ * synchronises with it, so every byte written before publish is visible after
+ * acquire.  release/abandon store FREE with release order so the consumer's
+ * next claim (acquire CAS) sees the slot's previous readers finished.
+ *
+ * Sleeping (an eventcount).  The consumer sets consumer_sleeping (seq_cst),
+ * rechecks for READY slots, then poll()s the eventfd together with any fds the
+ * caller adds (worker pipes, process sentinels: so a worker's death wakes it)
+ * until a timeout.  A producer publishes (seq_cst), then loads
+ * consumer_sleeping (seq_cst) and writes the eventfd only if it is set.  Both
+ * sides store then load with seq_cst, so either the consumer's recheck sees
+ * READY or the producer sees the flag and wakes it: no lost wake-up, and no
+ * syscall per batch while the consumer is busy.
+ */
+#ifndef SHMRING_H
+#define SHMRING_H
+
+#include <poll.h>
+#include <stdint.h>
+
+#define SHMRING_MAGIC 0x474e49524d485321ULL /* "!SHMRING" little-endian */
+#define SHMRING_VERSION 1u
+#define SHMRING_MAX_SLOTS 4096u
+
+enum shmring_state {
+    SHMRING_FREE = 0,
+    SHMRING_CLAIMED = 1,
+    SHMRING_READY = 2,
+    SHMRING_READING = 3,
+};
+
+typedef struct shmring shmring_t; /* process-local handle, opaque */
+
+/* Create a segment named `name` (O_EXCL, mode 0600), size it for `nslots`
+ * slots of at least `slot_bytes` each, reserve every page (posix_fallocate:
+ * a too-small /dev/shm fails here with -ENOSPC, not later with SIGBUS), map
+ * and prefault it, and create the wake-up eventfd. */
+int shmring_create(const char *name, uint32_t nslots, uint64_t slot_bytes, shmring_t **out);
+
+/* Map a segment received as an open fd (plus its eventfd).  Checks that the
+ * file belongs to this user with no group/other access, and that magic,
+ * version and geometry agree with the file size.  Takes ownership of neither
+ * fd: the caller closes its copies. */
+int shmring_attach(int fd, int efd, shmring_t **out);
+
+/* Remove the name; mappings and fds stay valid. */
+int shmring_unlink(const char *name);
+
+/* Close the handle's fds (idempotent); the mapping stays until destroy. */
+void shmring_close_fds(shmring_t *r);
+
+/* Unmap and free the handle. */
+void shmring_destroy(shmring_t *r);
+
+uint32_t shmring_nslots(const shmring_t *r);
+uint64_t shmring_slot_bytes(const shmring_t *r);
+uint64_t shmring_total_bytes(const shmring_t *r);
+int shmring_fd(const shmring_t *r);
+int shmring_eventfd(const shmring_t *r);
+char *shmring_slot_data(const shmring_t *r, uint32_t slot);
+int shmring_slot_state(const shmring_t *r, uint32_t slot);
+
+/* Consumer: move a FREE slot to CLAIMED; -EAGAIN when none is free. */
+int shmring_claim(shmring_t *r, uint32_t *slot);
+
+/* Producer: CLAIMED -> READY with the payload's sequence number and the
+ * location of its metadata inside the slot; wakes a sleeping consumer. */
+int shmring_publish(shmring_t *r, uint32_t slot, uint64_t seq, uint64_t meta_off,
+                    uint64_t meta_len);
+
+/* Producer: CLAIMED -> FREE, giving back a slot it will not fill. */
+int shmring_abandon(shmring_t *r, uint32_t slot);
+
+/* Consumer: take any READY slot (-> READING) and return what was published
+ * with it; -EAGAIN when none is ready. */
+int shmring_acquire(shmring_t *r, uint32_t *slot, uint64_t *seq, uint64_t *meta_off,
+                    uint64_t *meta_len);
+
+/* Consumer: READING -> FREE once nothing views the slot any more. */
+int shmring_release(shmring_t *r, uint32_t slot);
+
+/* Consumer: sleep until a slot may be READY, one of `fds` has an event, or
+ * `timeout_ms` passes (-1: no timeout).  Returns 0 on a wake-up (revents of
+ * `fds` are filled; the caller then tries acquire and reads the fds that
+ * fired), -ETIMEDOUT, or -EINTR when a signal arrived (the caller handles it
+ * and calls again). */
+int shmring_wait(shmring_t *r, int timeout_ms, struct pollfd *fds, int nfds);
+
+#endif

@@ -1,0 +1,44 @@
+# Mirrors csrc/shmring.h; nothing else belongs here.
+from libc.stdint cimport uint32_t, uint64_t
+
+
+cdef extern from "poll.h":
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    enum:
+        POLLIN
+        POLLERR
+        POLLHUP
+
+
+cdef extern from "shmring.h" nogil:
+    ctypedef struct shmring_t:
+        pass
+
+    enum:
+        SHMRING_FREE
+        SHMRING_CLAIMED
+        SHMRING_READY
+        SHMRING_READING
+        SHMRING_MAX_SLOTS
+
+    int shmring_create(const char *name, uint32_t nslots, uint64_t slot_bytes, shmring_t **out)
+    int shmring_attach(int fd, int efd, shmring_t **out)
+    int shmring_unlink(const char *name)
+    void shmring_close_fds(shmring_t *r)
+    void shmring_destroy(shmring_t *r)
+    uint32_t shmring_nslots(const shmring_t *r)
+    uint64_t shmring_slot_bytes(const shmring_t *r)
+    uint64_t shmring_total_bytes(const shmring_t *r)
+    int shmring_fd(const shmring_t *r)
+    int shmring_eventfd(const shmring_t *r)
+    char *shmring_slot_data(const shmring_t *r, uint32_t slot)
+    int shmring_slot_state(const shmring_t *r, uint32_t slot)
+    int shmring_claim(shmring_t *r, uint32_t *slot)
+    int shmring_publish(shmring_t *r, uint32_t slot, uint64_t seq, uint64_t meta_off, uint64_t meta_len)
+    int shmring_abandon(shmring_t *r, uint32_t slot)
+    int shmring_acquire(shmring_t *r, uint32_t *slot, uint64_t *seq, uint64_t *meta_off, uint64_t *meta_len)
+    int shmring_release(shmring_t *r, uint32_t slot)
+    int shmring_wait(shmring_t *r, int timeout_ms, pollfd *fds, int nfds)

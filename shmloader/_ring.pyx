@@ -1,0 +1,246 @@
+# cython: language_level=3
+"""Python face of the C ring (csrc/shmring.h).
+
+Ring owns one mapping of the segment; SlotMemory exposes one slot's bytes
+through the buffer protocol and keeps the Ring (hence the mapping) alive;
+SlotLease is the consumer's SlotMemory for a READY slot and gives the slot
+back to the ring when the last object viewing it is gone.  _check is the one
+place where a C return code becomes a Python exception.
+"""
+import os
+import time
+
+cimport cython
+
+from cpython.buffer cimport PyBUF_WRITABLE
+from cpython.exc cimport PyErr_CheckSignals
+from libc.errno cimport EAGAIN, EINTR, ETIMEDOUT
+from libc.stdint cimport uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+
+FREE = SHMRING_FREE
+CLAIMED = SHMRING_CLAIMED
+READY = SHMRING_READY
+READING = SHMRING_READING
+MAX_SLOTS = SHMRING_MAX_SLOTS
+
+
+cdef int _check(int rc, str what) except -1:
+    """Raise the OSError subclass that matches -rc (FileExistsError,
+    PermissionError, ...), naming the operation that failed."""
+    if rc < 0:
+        raise OSError(-rc, f"{what}: {os.strerror(-rc)}")
+    return rc
+
+
+cdef class Ring:
+    cdef shmring_t *_r
+
+    def __dealloc__(self):
+        if self._r is not NULL:
+            shmring_destroy(self._r)
+            self._r = NULL
+
+    @staticmethod
+    def create(str name, uint32_t nslots, uint64_t slot_bytes):
+        """Create, reserve, map and prefault a new segment called `name`."""
+        cdef Ring ring = Ring.__new__(Ring)
+        cdef bytes bname = name.encode()
+        cdef const char *cname = bname
+        cdef int rc
+        with nogil:
+            rc = shmring_create(cname, nslots, slot_bytes, &ring._r)
+        _check(rc, f"creating shared-memory ring {name!r} ({nslots} x {slot_bytes} bytes)")
+        return ring
+
+    @staticmethod
+    def attach(int fd, int efd):
+        """Map a ring received as file descriptors; verifies owner and header."""
+        cdef Ring ring = Ring.__new__(Ring)
+        cdef int rc
+        with nogil:
+            rc = shmring_attach(fd, efd, &ring._r)
+        _check(rc, "attaching shared-memory ring")
+        return ring
+
+    @staticmethod
+    def unlink(str name):
+        _check(shmring_unlink(name.encode()), f"unlinking shared-memory ring {name!r}")
+
+    def close_fds(self):
+        """Close the segment fd and eventfd (idempotent); the mapping stays
+        valid for as long as this Ring or any slot view of it lives."""
+        shmring_close_fds(self._r)
+
+    @property
+    def nslots(self):
+        return shmring_nslots(self._r)
+
+    @property
+    def slot_bytes(self):
+        return shmring_slot_bytes(self._r)
+
+    @property
+    def total_bytes(self):
+        return shmring_total_bytes(self._r)
+
+    @property
+    def fds(self):
+        """(segment fd, eventfd), to be passed to producer processes."""
+        return shmring_fd(self._r), shmring_eventfd(self._r)
+
+    def slot_state(self, uint32_t slot):
+        return _check(shmring_slot_state(self._r, slot), f"reading state of slot {slot}")
+
+    def claim(self):
+        """A FREE slot's index, now CLAIMED, or None when every slot is taken."""
+        cdef uint32_t slot
+        cdef int rc = shmring_claim(self._r, &slot)
+        if rc == -EAGAIN:
+            return None
+        _check(rc, "claiming a slot")
+        return slot
+
+    def publish(self, uint32_t slot, uint64_t seq, uint64_t meta_off, uint64_t meta_len):
+        _check(shmring_publish(self._r, slot, seq, meta_off, meta_len),
+               f"publishing slot {slot} (must be CLAIMED)")
+
+    def abandon(self, uint32_t slot):
+        _check(shmring_abandon(self._r, slot), f"abandoning slot {slot} (must be CLAIMED)")
+
+    def acquire(self):
+        """The lease of a READY slot (now READING), or None when none is ready."""
+        cdef uint32_t slot
+        cdef uint64_t seq, meta_off, meta_len
+        cdef int rc = shmring_acquire(self._r, &slot, &seq, &meta_off, &meta_len)
+        if rc == -EAGAIN:
+            return None
+        _check(rc, "acquiring a slot")
+        cdef SlotLease lease = SlotLease.__new__(SlotLease)
+        lease._bind(self, slot)
+        lease.seq = seq
+        lease.meta_off = meta_off
+        lease.meta_len = meta_len
+        return lease
+
+    def release(self, uint32_t slot):
+        _check(shmring_release(self._r, slot), f"releasing slot {slot} (must be READING)")
+
+    def memory(self, uint32_t slot):
+        """A writable buffer over slot `slot`'s data (producer side)."""
+        if slot >= shmring_nslots(self._r):
+            raise IndexError(f"slot {slot} out of range for a ring of {self.nslots}")
+        cdef SlotMemory mem = SlotMemory.__new__(SlotMemory)
+        mem._bind(self, slot)
+        return mem
+
+    def wait(self, timeout, fds=()):
+        """Sleep until a slot may be READY, one of `fds` is readable (or hung
+        up), or `timeout` seconds pass (None: forever).  Returns the list of
+        `fds` that fired, or None on timeout.  Signals are handled between
+        sleeps, so Ctrl-C raises KeyboardInterrupt here."""
+        cdef int n = len(fds)
+        cdef pollfd *pfds = <pollfd *>malloc(max(n, 1) * sizeof(pollfd))
+        if pfds is NULL:
+            raise MemoryError()
+        cdef int i, rc, ms
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            for i in range(n):
+                pfds[i].fd = fds[i]
+                pfds[i].events = POLLIN
+            while True:
+                if deadline is None:
+                    ms = -1
+                else:
+                    ms = max(0, int((deadline - time.monotonic()) * 1000 + 0.999))
+                with nogil:
+                    rc = shmring_wait(self._r, ms, pfds, n)
+                if rc == -EINTR:
+                    PyErr_CheckSignals()
+                    continue
+                if rc == -ETIMEDOUT:
+                    return None
+                _check(rc, "waiting on the ring")
+                return [fds[i] for i in range(n) if pfds[i].revents]
+        finally:
+            free(pfds)
+
+
+@cython.no_gc_clear
+cdef class SlotMemory:
+    """One slot's bytes as a writable buffer; keeps its Ring mapped."""
+    cdef readonly Ring ring
+    cdef readonly uint32_t slot
+    cdef char *_data
+    cdef Py_ssize_t _size
+    cdef Py_ssize_t _shape[1]
+
+    cdef _bind(self, Ring ring, uint32_t slot):
+        self.ring = ring
+        self.slot = slot
+        self._data = shmring_slot_data(ring._r, slot)
+        self._size = <Py_ssize_t>shmring_slot_bytes(ring._r)
+        self._shape[0] = self._size
+
+    def __len__(self):
+        return self._size
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        view.buf = self._data
+        view.obj = self
+        view.len = self._size
+        view.readonly = 0
+        view.itemsize = 1
+        view.format = "B"
+        view.ndim = 1
+        view.shape = self._shape
+        view.strides = &view.itemsize
+        view.suboffsets = NULL
+        view.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer *view):
+        pass
+
+    def read(self, uint64_t offset, uint64_t length):
+        """A bytes copy of [offset, offset + length), bounds-checked."""
+        if offset > <uint64_t>self._size or length > <uint64_t>self._size - offset:
+            raise ValueError(
+                f"range [{offset}, {offset}+{length}) lies outside slot {self.slot} "
+                f"of {self._size} bytes")
+        return self._data[offset:offset + length]
+
+    def write(self, uint64_t offset, const unsigned char[::1] data):
+        """Copy `data` to `offset`, bounds-checked."""
+        cdef uint64_t n = data.shape[0]
+        if offset > <uint64_t>self._size or n > <uint64_t>self._size - offset:
+            raise ValueError(
+                f"{n} bytes at offset {offset} do not fit slot {self.slot} "
+                f"of {self._size} bytes")
+        if n:
+            memcpy(self._data + offset, &data[0], n)
+
+
+@cython.no_gc_clear
+cdef class SlotLease(SlotMemory):
+    """A READY slot taken by the consumer.  Tensors built on it (through
+    torch.frombuffer or numpy) hold it alive; when the last one dies, the slot
+    goes back to the ring.  release() is idempotent."""
+    cdef readonly uint64_t seq
+    cdef readonly uint64_t meta_off
+    cdef readonly uint64_t meta_len
+    cdef bint _released
+
+    def meta(self):
+        return self.read(self.meta_off, self.meta_len)
+
+    def release(self):
+        if not self._released:
+            self._released = True
+            self.ring.release(self.slot)
+
+    def __dealloc__(self):
+        if not self._released and self.ring is not None:
+            self._released = True
+            shmring_release(self.ring._r, self.slot)
