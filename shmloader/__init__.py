@@ -1,1 +1,8 @@
-"""shmloader"""
+"""shmloader: torch's DataLoader, with batches moved through shared-memory slots."""
+from ._iterator import SharedMemoryError
+from ._pool import WorkerDied
+from ._stats import LoaderStats
+from .dataloader import DataLoader
+
+__all__ = ["DataLoader", "LoaderStats", "SharedMemoryError", "WorkerDied"]
+__version__ = "0.1.0"

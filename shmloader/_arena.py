@@ -1,0 +1,134 @@
+"""Worker side of a slot: a bump allocator over its bytes, the collate that
+stacks samples straight into it, and the placer that _layout uses.
+
+One copy per leaf, as torch's own collate: the default collate stacks samples
+into their final place in the slot (instead of into a fresh shared-memory
+segment); leaves that are not already in the slot (a custom collate_fn's
+output, numpy arrays) are copied in once when the metadata is written.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data._utils.collate import (
+    collate,
+    collate_tensor_fn,
+    default_collate,
+    default_collate_fn_map,
+)
+
+from . import _layout
+
+ALIGN = 64  # cache line; also a multiple of every dtype's itemsize
+
+
+class SlotFull(Exception):
+    """The batch (data plus metadata) does not fit its slot."""
+
+
+def _span_bytes(shape, stride, itemsize) -> int:
+    if any(s == 0 for s in shape):
+        return 0
+    return (sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * itemsize
+
+
+class Arena:
+    """Allocates aligned regions of one slot, front to back, for one batch."""
+
+    def __init__(self, memory, storage: torch.UntypedStorage):
+        self._memory = memory  # SlotMemory: keeps the mapping alive
+        self._storage = storage
+        self._base = storage.data_ptr()
+        self._capacity = storage.nbytes()
+        self.used = 0
+
+    def _alloc(self, nbytes: int) -> int:
+        offset = (self.used + ALIGN - 1) // ALIGN * ALIGN
+        if offset + nbytes > self._capacity:
+            raise SlotFull(f"{offset + nbytes} bytes needed, slot holds {self._capacity}")
+        self.used = offset + nbytes
+        return offset
+
+    def tensor(self, dtype: torch.dtype, shape, stride=None) -> torch.Tensor:
+        """An uninitialised tensor living in the slot."""
+        if stride is None:
+            stride = torch.empty(shape, dtype=dtype, device="meta").stride()
+        offset = self._alloc(_span_bytes(shape, stride, dtype.itemsize))
+        return torch.empty((0,), dtype=dtype).set_(
+            self._storage, offset // dtype.itemsize, shape, stride
+        )
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() == self._base
+
+    def place(self, leaf):
+        """The slot reference for `leaf`, copying it into the slot if needed."""
+        if isinstance(leaf, np.ndarray):
+            offset = self._alloc(leaf.nbytes)
+            view = np.ndarray(leaf.shape, leaf.dtype, buffer=self._memory, offset=offset)
+            view[...] = leaf
+            return (_layout.NDARRAY, offset, leaf.dtype.str, view.shape, view.strides)
+        if not self.owns(leaf):
+            # Keep the layout torch's pickling would keep (channels_last stays
+            # channels_last); overlapping or gappy strides become contiguous.
+            stride = torch.empty_like(leaf, device="meta").stride()
+            copy = self.tensor(leaf.dtype, leaf.shape, stride)
+            with torch.no_grad():
+                copy.copy_(leaf)
+            leaf_ref = copy
+        else:
+            leaf_ref = leaf
+        offset = leaf_ref.storage_offset() * leaf.dtype.itemsize
+        return (_layout.TENSOR, offset, leaf.dtype, tuple(leaf.shape), leaf_ref.stride(),
+                leaf.requires_grad)
+
+    def write_meta(self, meta: bytes) -> tuple[int, int]:
+        offset = self._alloc(len(meta))
+        self._memory.write(offset, meta)
+        return offset, len(meta)
+
+
+class Measure:
+    """A placer that only counts the bytes a batch would take in a slot: it
+    sizes the ring from the first batches, before any slot exists."""
+
+    def __init__(self):
+        self.used = 0
+
+    def place(self, leaf):
+        self.used = (self.used + ALIGN - 1) // ALIGN * ALIGN + leaf.nbytes
+        return ("measure",)
+
+
+def slot_bytes_needed(batch) -> int:
+    measure = Measure()
+    meta = _layout.dumps(batch, measure.place)
+    return (measure.used + ALIGN - 1) // ALIGN * ALIGN + len(meta)
+
+
+class SlotCollate:
+    """torch's default_collate, except that stacked tensors are allocated in
+    the current slot.  With no slot (ring not sized yet, or every slot held)
+    it is exactly default_collate."""
+
+    def __init__(self):
+        self.arena: Arena | None = None
+        self._map = {**default_collate_fn_map, torch.Tensor: self._collate_tensor}
+
+    def __call__(self, batch):
+        if self.arena is None:
+            return default_collate(batch)
+        try:
+            return collate(batch, collate_fn_map=self._map)
+        except SlotFull:
+            # The batch outgrew the slot: deliver it whole through torch's
+            # path (the caller notices arena is None and counts a spill).
+            self.arena = None
+            return default_collate(batch)
+
+    def _collate_tensor(self, batch, *, collate_fn_map=None):
+        elem = batch[0]
+        if not _layout.is_slot_tensor(elem):
+            return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+        out = self.arena.tensor(elem.dtype, (len(batch), *elem.shape))
+        return torch.stack(batch, 0, out=out)

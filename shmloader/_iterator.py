@@ -1,0 +1,369 @@
+"""The multi-process iterator: torch's dispatch and ordering, shmloader's transport.
+
+Dispatch follows torch's _MultiProcessingDataLoaderIter step for step (same
+sampler draws, round-robin from worker 0 each epoch, at most
+prefetch_factor * num_workers tasks in flight, in_order=False rules, the same
+handling of exhausted IterableDataset workers), so batches and their order are
+torch's.  The difference: each task is sent with a ring slot claimed for it;
+its batch comes back as a published slot whose tensors the main process views
+in place.  Tasks carry ids unique over the iterator's life, so results of an
+earlier epoch (persistent workers) are recognised and dropped.
+"""
+from __future__ import annotations
+
+import errno
+import functools
+import itertools
+import os
+import secrets
+import sys
+import time
+import warnings
+from collections import deque
+from multiprocessing.connection import wait as wait_fds
+
+import torch
+from torch.utils.data import _DatasetKind, _utils
+from torch.utils.data.dataloader import (
+    IterDataPipe,
+    MapDataPipe,
+    _BaseDataLoaderIter,
+    _sharding_worker_init_fn,
+)
+
+from . import _layout
+from ._pool import WorkerDied, WorkerPool
+from ._ring import Ring
+from ._worker import MEASURE, NO_SLOT
+
+SHM_DIR = "/dev/shm"
+
+
+# Warnings point at the user's line, past shmloader's and torch's loader frames.
+_INTERNAL_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.utils.data.__file__))
+
+
+def _warn(message: str) -> None:
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
+
+
+class SharedMemoryError(RuntimeError):
+    """The ring does not fit in shared memory."""
+
+
+def _ring_bytes_message(nslots, slot_bytes, cause) -> str:
+    total = nslots * slot_bytes
+    try:
+        st = os.statvfs(SHM_DIR)
+        free = f"{st.f_bavail * st.f_frsize} bytes are free in {SHM_DIR}"
+    except OSError:
+        free = f"{SHM_DIR} cannot be inspected"
+    return (
+        f"shmloader needs {total} bytes of shared memory for its ring "
+        f"({nslots} slots x {slot_bytes} bytes) but {free} ({cause}). Enlarge {SHM_DIR} "
+        "(docker: --shm-size), or lower num_slots, slot_bytes or the batch size."
+    )
+
+
+def create_ring(nslots: int, slot_bytes: int) -> Ring:
+    """A new, prefaulted ring whose name is removed at once: it lives on in
+    the fds the workers receive, so nothing can be left behind in /dev/shm."""
+    for _ in range(8):
+        name = f"/shmloader-{os.getpid()}-{secrets.token_hex(12)}"
+        try:
+            ring = Ring.create(name, nslots, slot_bytes)
+        except FileExistsError:
+            continue  # someone holds that name: never attach to it, pick another
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EOVERFLOW):
+                raise SharedMemoryError(_ring_bytes_message(nslots, slot_bytes, e.strerror)) from e
+            raise
+        Ring.unlink(name)
+        return ring
+    raise FileExistsError(errno.EEXIST, f"no free shared-memory name after 8 tries ({name})")
+
+
+class ShmLoaderIter(_BaseDataLoaderIter):
+    def __init__(self, loader) -> None:
+        super().__init__(loader)
+        self._prefetch_factor = loader.prefetch_factor
+        self._in_order = loader.in_order
+        self._counters = loader._counters
+        self._options = loader._shm_options
+        self._shutdown = False
+        self._ring = None
+        self._next_task_id = 0
+        self._epoch_base = 0
+        self._arrivals = deque()
+        self._nslots = self._options.num_slots or self._prefetch_factor * self._num_workers + 2
+
+        ctx = loader.multiprocessing_context or torch.multiprocessing
+        init_fn = loader.worker_init_fn
+        if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
+            init_fn = functools.partial(
+                _sharding_worker_init_fn, init_fn, self._world_size, self._rank
+            )
+        slot_collate = self._collate_fn is _utils.collate.default_collate
+        self._pool = WorkerPool(ctx, [
+            dict(
+                dataset_kind=self._dataset_kind,
+                dataset=self._dataset,
+                auto_collation=self._auto_collation,
+                collate_fn=None if slot_collate else self._collate_fn,
+                drop_last=self._drop_last,
+                base_seed=self._base_seed,
+                init_fn=init_fn,
+                worker_id=i,
+                num_workers=self._num_workers,
+                shared_seed=self._shared_seed,
+            )
+            for i in range(self._num_workers)
+        ])
+        slot_bytes = self._options.slot_bytes or self._options.learned_slot_bytes
+        if slot_bytes:
+            self._start_ring(slot_bytes)
+        self._reset(loader, first_iter=True)
+
+    # ---- ring -------------------------------------------------------------
+
+    def _start_ring(self, slot_bytes: int) -> None:
+        self._ring = create_ring(self._nslots, slot_bytes)
+        self._pool.send_ring(self._ring)
+        self._counters.ring_slots = self._ring.nslots
+        self._counters.slot_bytes = self._ring.slot_bytes
+
+    def _claim_slot(self) -> int:
+        if self._ring is None:
+            return MEASURE
+        slot = self._ring.claim()
+        if slot is not None:
+            return slot
+        if not self._counters.warned_ring_full:
+            self._counters.warned_ring_full = True
+            _warn(
+                f"shmloader: all {self._ring.nslots} ring slots are in use (batches still "
+                "referenced by your code, plus those in flight); further batches travel by "
+                "torch's transport until slots are released. Ring memory stays capped at "
+                f"{self._ring.total_bytes} bytes; pass num_slots= to keep more batches in "
+                "the ring."
+            )
+        return NO_SLOT
+
+    # ---- epochs -----------------------------------------------------------
+
+    def _reset(self, loader, first_iter=False) -> None:
+        super()._reset(loader, first_iter)
+        self._epoch_base = self._next_task_id
+        self._send_idx = 0  # epoch index of the next task to send
+        self._rcvd_idx = 0  # epoch index of the next batch to yield
+        self._task_info = {}  # epoch index -> (worker_id,) or (worker_id, data)
+        self._tasks_outstanding = 0
+        self._workers_status = [True] * self._num_workers
+        self._workers_num_tasks = [0] * self._num_workers
+        self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        if not first_iter:
+            for i in range(self._num_workers):
+                self._pool.send(i, ("resume", self._shared_seed))
+            pending = self._num_workers
+            while pending:
+                task_id, payload = self._next_arrival()
+                if task_id is None:
+                    pending -= 1
+                else:
+                    _discard(payload)
+        for _ in range(self._prefetch_factor * self._num_workers):
+            self._try_put_index()
+
+    # ---- dispatch (torch's rules) -----------------------------------------
+
+    def _try_put_index(self) -> None:
+        max_tasks = self._prefetch_factor * self._num_workers
+        assert self._tasks_outstanding < max_tasks
+        try:
+            index = self._next_index()
+        except StopIteration:
+            return
+        for _ in range(self._num_workers):  # find the next active worker, if any
+            worker_id = next(self._worker_queue_idx_cycle)
+            if self._workers_status[worker_id]:
+                if self._in_order:
+                    break
+                if self._workers_num_tasks[worker_id] < max_tasks // sum(self._workers_status):
+                    break
+        else:
+            return
+        task_id = self._epoch_base + self._send_idx
+        self._pool.send(worker_id, ("task", task_id, index, self._claim_slot()))
+        self._next_task_id = task_id + 1
+        self._task_info[self._send_idx] = (worker_id,)
+        self._workers_num_tasks[worker_id] += 1
+        self._tasks_outstanding += 1
+        self._send_idx += 1
+
+    # ---- receiving ----------------------------------------------------------
+
+    def _next_arrival(self):
+        """(task_id, payload) of the next result from any worker, or
+        (None, ("resumed",)); sleeps until one comes, a worker dies, or the
+        timeout passes."""
+        timeout = self._timeout if self._timeout > 0 else None
+        while True:
+            if self._arrivals:
+                return self._arrivals.popleft()
+            if self._ring is not None:
+                lease = self._ring.acquire()
+                if lease is not None:
+                    return lease.seq, lease
+            started = time.perf_counter()
+            if self._ring is not None:
+                fired = self._ring.wait(timeout, self._pool.wait_fds)
+            else:
+                fired = wait_fds(self._pool.wait_fds, timeout) or None
+            self._counters.wait_seconds += time.perf_counter() - started
+            if fired is None:
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+            try:
+                messages = self._pool.receive(fired)
+            except WorkerDied:
+                self._shutdown_workers()
+                raise
+            for worker_id, msg in messages:
+                self._accept(worker_id, msg)
+
+    def _accept(self, worker_id, msg) -> None:
+        kind = msg[0]
+        if kind == "resumed":
+            self._arrivals.append((None, msg))
+            return
+        if kind == "batch" and msg[2] == "no_ring" and self._ring is None:
+            # The first batch sizes the ring, with headroom for batches that
+            # vary a little; bigger ones spill.
+            needed = msg[4]
+            self._options.learned_slot_bytes = needed + needed // 4 + 65536
+            self._start_ring(self._options.learned_slot_bytes)
+        self._arrivals.append((msg[1], msg))
+
+    def _get_data(self):
+        """(epoch index, data) of the next result of this epoch."""
+        while True:
+            task_id, payload = self._next_arrival()
+            if task_id is not None and task_id >= self._epoch_base:
+                return task_id - self._epoch_base, payload
+            _discard(payload)
+
+    def _next_data(self):
+        while True:
+            # Skip tasks of workers that became inactive without an answer.
+            while self._rcvd_idx < self._send_idx:
+                info = self._task_info.get(self._rcvd_idx)
+                if info:
+                    if len(info) == 2 or self._workers_status[info[0]]:
+                        break
+                    del self._task_info[self._rcvd_idx]
+                self._rcvd_idx += 1
+            else:
+                if not self._persistent_workers:
+                    self._shutdown_workers()
+                raise StopIteration
+
+            if len(self._task_info[self._rcvd_idx]) == 2:
+                worker_id, data = self._task_info.pop(self._rcvd_idx)
+                self._rcvd_idx += 1
+                return self._process_data(data, worker_id)
+
+            assert not self._shutdown and self._tasks_outstanding > 0
+            idx, data = self._get_data()
+            self._tasks_outstanding -= 1
+            if _kind(data) == "stop":
+                worker_id = self._task_info[idx][0]
+                if self._persistent_workers:
+                    self._workers_status[worker_id] = False
+                else:
+                    self._workers_status[worker_id] = False
+                    self._pool.stop(worker_id)
+                self._try_put_index()
+                continue
+            if idx != self._rcvd_idx:
+                if not self._in_order:
+                    worker_id = self._task_info.pop(idx)[0]
+                    return self._process_data(data, worker_id)
+                self._task_info[idx] += (data,)
+            else:
+                worker_id = self._task_info.pop(idx)[0]
+                self._rcvd_idx += 1
+                return self._process_data(data, worker_id)
+
+    def _process_data(self, data, worker_id):
+        self._workers_num_tasks[worker_id] -= 1
+        self._try_put_index()
+        if _kind(data) == "error":
+            data[2].reraise()
+        batch = self._unpack(data)
+        if self._pin_memory:
+            batch = _utils.pin_memory.pin_memory(batch, self._pin_memory_device)
+        return batch
+
+    def _unpack(self, data):
+        counters = self._counters
+        counters.batches += 1
+        if _kind(data) == "batch":
+            reason = data[2]
+            if reason == "no_ring":
+                counters.unsized_batches += 1
+            elif reason == "ring_full":
+                counters.ring_full_batches += 1
+            else:
+                counters.spilled_batches += 1
+                self._warn_spill()
+            return data[3]
+        lease = data  # a SlotLease
+        batch, fallback_leaves = _layout.loads(lease.meta(), lease)
+        counters.slot_batches += 1
+        counters.fallback_leaves += fallback_leaves
+        return batch
+
+    def _warn_spill(self) -> None:
+        if not self._counters.warned_spill:
+            self._counters.warned_spill = True
+            _warn(
+                f"shmloader: a batch did not fit its {self._ring.slot_bytes}-byte slot and was "
+                "delivered whole by torch's (slower) transport; later ones that do not fit "
+                "will be too. Pass slot_bytes= to size slots for your largest batch."
+            )
+
+    # ---- shutdown -----------------------------------------------------------
+
+    def _shutdown_workers(self) -> None:
+        if _utils is None or _utils.python_exit_status is not False:
+            return  # interpreter exit: multiprocessing's atexit ends daemon workers
+        if self._shutdown:
+            return
+        self._shutdown = True
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown()
+        while self._arrivals:
+            _discard(self._arrivals.popleft()[1])
+        if self._ring is not None:
+            # The mapping itself lives on while the user holds batches.
+            self._ring.close_fds()
+            self._ring = None
+
+    def __del__(self) -> None:
+        if hasattr(self, "_arrivals"):
+            self._shutdown_workers()
+
+
+def _kind(payload) -> str:
+    """A result is a worker's message tuple ("batch", "error", "stop", ...)
+    or, for a batch in the ring, the SlotLease of its slot."""
+    return payload[0] if type(payload) is tuple else "slot"
+
+
+def _discard(payload) -> None:
+    """Drop a result nobody will see; a slot goes straight back to the ring."""
+    if _kind(payload) == "slot":
+        payload.release()

@@ -1,0 +1,125 @@
+"""Batch layout: a batch <-> (slot bytes, small metadata).
+
+A batch of any structure (tuples, lists, dicts, namedtuples, dataclasses, ...)
+is pickled with torch's ForkingPickler, except that every dense CPU tensor
+and numeric numpy array is replaced by a *slot reference*: where its bytes lie
+in the slot, its dtype, shape and strides.  The pickle is the metadata; the
+bytes never go through it.  On the consumer side the references become views
+of the slot.  Which leaves go into the slot, and how, is the placer's business
+(see _arena.py); this module only knows the reference format.
+
+Reference tuples (the pickle's persistent ids):
+    ("t", byte_offset, torch.dtype, shape, stride, requires_grad)
+    ("n", byte_offset, numpy dtype str, shape, strides)
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import torch
+
+TENSOR = "t"
+NDARRAY = "n"
+
+
+def is_slot_tensor(obj) -> bool:
+    """A tensor whose bytes can live in a slot: plain, dense, strided, CPU."""
+    return (
+        type(obj) is torch.Tensor
+        and obj.layout == torch.strided
+        and obj.device.type == "cpu"
+        and not obj.is_nested
+        and not obj.is_quantized
+        and not obj.is_meta
+    )
+
+
+def is_slot_ndarray(obj) -> bool:
+    """A numpy array of plain numbers (no objects), which a slot can hold."""
+    return type(obj) is np.ndarray and not obj.dtype.hasobject
+
+
+class _RefPickler(ForkingPickler):
+    def __init__(self, file, place):
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self._place = place
+        self.fallback_leaves = 0
+
+    def persistent_id(self, obj):
+        if is_slot_tensor(obj) or is_slot_ndarray(obj):
+            return self._place(obj)
+        if isinstance(obj, (torch.Tensor, np.ndarray)):
+            # CUDA, sparse, nested, subclass or object arrays: torch's own
+            # pickling path carries them.
+            self.fallback_leaves += 1
+        return None
+
+
+def dumps(batch, place) -> bytes:
+    """Pickle `batch`, turning slot-able leaves into place(leaf) references,
+    followed by a second pickle: how many tensor-like leaves could not be
+    placed and travel through torch's pickling instead."""
+    buf = io.BytesIO()
+    pickler = _RefPickler(buf, place)
+    pickler.dump(batch)
+    pickler.dump(pickler.fallback_leaves)
+    return buf.getvalue()
+
+
+def _identity(obj):
+    return obj
+
+
+class _DetachPickler(ForkingPickler):
+    def __init__(self, file, owns):
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self._owns = owns
+
+    def reducer_override(self, obj):
+        if type(obj) is torch.Tensor and self._owns(obj):
+            return _identity, (obj.clone(),)
+        return NotImplemented
+
+
+def dumps_detached(obj, owns) -> bytes:
+    """Pickle `obj` for torch's transport, copying out every tensor for which
+    owns(tensor) is true, so the result shares no memory with the slot."""
+    buf = io.BytesIO()
+    _DetachPickler(buf, owns).dump(obj)
+    return buf.getvalue()
+
+
+class _RefUnpickler(pickle.Unpickler):
+    def __init__(self, file, slot_buffer):
+        super().__init__(file)
+        self._buffer = slot_buffer
+        self._storage = None
+
+    def persistent_load(self, ref):
+        kind = ref[0]
+        if kind == TENSOR:
+            _, offset, dtype, shape, stride, requires_grad = ref
+            if self._storage is None:
+                # One storage per batch: every leaf views it, and it holds the
+                # slot's lease until the last leaf dies.
+                self._storage = torch.frombuffer(self._buffer, dtype=torch.uint8).untyped_storage()
+            itemsize = dtype.itemsize
+            tensor = torch.empty((0,), dtype=dtype).set_(
+                self._storage, offset // itemsize, shape, stride
+            )
+            return tensor.requires_grad_() if requires_grad else tensor
+        if kind == NDARRAY:
+            _, offset, dtype, shape, strides = ref
+            return np.ndarray(shape, dtype=np.dtype(dtype), buffer=self._buffer,
+                              offset=offset, strides=strides)
+        raise pickle.UnpicklingError(f"unknown slot reference kind {kind!r}")
+
+
+def loads(meta: bytes, slot_buffer):
+    """Rebuild a batch from its metadata, its leaves viewing `slot_buffer`.
+    Returns (batch, number of leaves that came through torch's pickling)."""
+    unpickler = _RefUnpickler(io.BytesIO(meta), slot_buffer)
+    return unpickler.load(), unpickler.load()

@@ -1,0 +1,171 @@
+"""Worker processes of one iterator: start, talk to, watch, and stop them.
+
+Each worker gets a task socket (duplex: it also carries the ring's fds) and a
+result pipe of its own, so no lock is shared and a dead worker can never leave
+a half-written message in a channel that others use.  Process sentinels are
+polled together with the result pipes (and the ring's eventfd), so a worker's
+death wakes the main process at once.
+"""
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from multiprocessing.reduction import sendfds
+from pickle import PicklingError
+
+from ._worker import WorkerConfig, worker_loop
+
+# Like torch's MP_STATUS_CHECK_INTERVAL: how long shutdown waits for workers
+# to exit on their own before terminating them.
+JOIN_TIMEOUT = 5.0
+
+
+class WorkerDied(RuntimeError):
+    """A worker process exited while the main process was waiting for it."""
+
+
+def _exit_description(process) -> str:
+    code = process.exitcode
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"is killed by signal: {name} ({signal.strsignal(-code)})"
+    return f"exited unexpectedly with exit code {code}"
+
+
+class WorkerPool:
+    def __init__(self, ctx, configs):
+        """Start one worker per partial config (a dict of WorkerConfig fields
+        without the connections)."""
+        self.processes = []
+        self._tasks = []
+        self._results = []
+        self._exiting = set()
+        try:
+            for fields in configs:
+                self._start(ctx, fields)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._conn_of_fd = {c.fileno(): i for i, c in enumerate(self._results)}
+        self._sentinels = {p.sentinel: i for i, p in enumerate(self.processes)}
+        self._update_wait_fds()
+
+    def _start(self, ctx, fields):
+        main_tasks, worker_tasks = ctx.Pipe(duplex=True)
+        main_results, worker_results = ctx.Pipe(duplex=False)
+        config = WorkerConfig(tasks=worker_tasks, results=worker_results, **fields)
+        process = ctx.Process(target=worker_loop, args=(config,), daemon=True)
+        try:
+            process.start()
+        except (TypeError, AttributeError, PicklingError) as e:
+            method = ctx.get_start_method()
+            raise type(e)(
+                f"shmloader could not start DataLoader worker {fields['worker_id']} with "
+                f"multiprocessing_context={method!r}: the dataset, collate_fn or "
+                f"worker_init_fn cannot be pickled ({e}). Define them at module level "
+                "(no lambdas, local classes or open handles), or use "
+                "multiprocessing_context='fork'."
+            ) from e
+        finally:
+            worker_tasks.close()
+            worker_results.close()
+        self.processes.append(process)
+        self._tasks.append(main_tasks)
+        self._results.append(main_results)
+
+    @property
+    def pids(self):
+        return [p.pid for p in self.processes]
+
+    def _update_wait_fds(self):
+        # Workers told to exit are left out: their closed pipe and fired
+        # sentinel would otherwise wake every later wait at once.
+        self.wait_fds = [
+            fd for fds in (self._conn_of_fd, self._sentinels)
+            for fd, i in fds.items() if i not in self._exiting
+        ]
+
+    def send(self, worker_id: int, msg) -> None:
+        try:
+            self._tasks[worker_id].send(msg)
+        except OSError:
+            self.raise_if_dead()
+            raise
+
+    def send_ring(self, ring) -> None:
+        """Hand the ring's fds to every worker (SCM_RIGHTS over its socket)."""
+        for i, conn in enumerate(self._tasks):
+            if i in self._exiting:
+                continue
+            self.send(i, ("ring",))
+            with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                sendfds(s, list(ring.fds))
+
+    def stop(self, worker_id: int) -> None:
+        """Tell one worker to exit (its IterableDataset is exhausted)."""
+        self._exiting.add(worker_id)
+        self._update_wait_fds()
+        try:
+            self._tasks[worker_id].send(None)
+        except OSError:
+            pass
+
+    def receive(self, fired_fds):
+        """(worker_id, message) for each result pipe among `fired_fds`; raises
+        WorkerDied when a sentinel fired for a worker that was not told to
+        exit."""
+        messages = []
+        for fd in fired_fds:
+            worker_id = self._conn_of_fd.get(fd)
+            if worker_id is not None:
+                try:
+                    messages.append((worker_id, self._results[worker_id].recv()))
+                except (EOFError, OSError):
+                    self.processes[worker_id].join(1.0)
+                    self.raise_if_dead()
+                    raise
+        for fd in fired_fds:
+            if fd in self._sentinels:
+                # A sentinel can fire a moment before the exit can be reaped.
+                self.processes[self._sentinels[fd]].join(1.0)
+                self.raise_if_dead()
+        return messages
+
+    def raise_if_dead(self) -> None:
+        dead = [
+            (i, p) for i, p in enumerate(self.processes)
+            if i not in self._exiting and not p.is_alive()
+        ]
+        if dead:
+            details = "; ".join(
+                f"DataLoader worker {i} (pid {p.pid}) {_exit_description(p)}" for i, p in dead
+            )
+            raise WorkerDied(
+                f"{details}. shmloader stopped the other workers; if a worker was killed "
+                "by the kernel (SIGKILL), it may have run out of memory."
+            )
+
+    def shutdown(self) -> None:
+        """Ask every worker to exit, wait a little, then terminate stragglers."""
+        for conn in self._tasks:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(1.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in self._tasks + self._results:
+            conn.close()
+        self._exiting = set(range(len(self.processes)))
