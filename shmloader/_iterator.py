@@ -37,6 +37,11 @@ from ._ring import Ring
 from ._worker import MEASURE, NO_SLOT
 
 SHM_DIR = "/dev/shm"
+# Slots beyond the prefetch_factor * num_workers batches in flight: the batch
+# being yielded, the one the loop still holds, and two a user may keep (the
+# last batch of a previous loop, one kept for logging) before any batch has
+# to travel by torch's transport.
+SPARE_SLOTS = 4
 
 
 # Warnings point at the user's line, past shmloader's and torch's loader frames.
@@ -44,7 +49,7 @@ _INTERNAL_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.utils.data.__
 
 
 def _warn(message: str) -> None:
-    frame, level = sys._getframe(1), 1
+    frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, stacklevel=level)
@@ -98,7 +103,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._next_task_id = 0
         self._epoch_base = 0
         self._arrivals = deque()
-        self._nslots = self._options.num_slots or self._prefetch_factor * self._num_workers + 2
+        self._nslots = self._options.num_slots or self._prefetch_factor * self._num_workers + SPARE_SLOTS
 
         ctx = loader.multiprocessing_context or torch.multiprocessing
         init_fn = loader.worker_init_fn

@@ -42,10 +42,10 @@ class DataLoader(torch.utils.data.DataLoader):
             num_workers batches then travel by torch's transport.  A batch
             larger than its slot is still delivered whole (a "spill").
         num_slots: slots in the ring.  Default prefetch_factor * num_workers
-            + 2: the batches in flight, the one being yielded and the one your
-            loop still holds.  Keep more batches alive than that and the extra
-            ones travel by torch's transport (one warning); ring memory is
-            capped at num_slots * slot_bytes.
+            + 4: the batches in flight, the one being yielded, the one your
+            loop still holds and two more you may keep.  Keep more batches
+            alive than that and the extra ones travel by torch's transport
+            (one warning); ring memory is capped at num_slots * slot_bytes.
     """
 
     def __init__(
