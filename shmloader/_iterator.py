@@ -99,6 +99,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._counters = loader._counters
         self._options = loader._shm_options
         self._shutdown = False
+        self._owner_pid = os.getpid()
         self._ring = None
         self._next_task_id = 0
         self._epoch_base = 0
@@ -235,6 +236,12 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             except WorkerDied:
                 self._shutdown_workers()
                 raise
+            if messages and self._ring is not None:
+                # A worker publishes its slots before it writes to its pipe:
+                # take them first so each worker's results stay in its order
+                # (an IterableDataset's "stop" must not overtake its last batch).
+                while (lease := self._ring.acquire()) is not None:
+                    self._arrivals.append((lease.seq, lease))
             for worker_id, msg in messages:
                 self._accept(worker_id, msg)
 
@@ -347,6 +354,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         if self._shutdown:
             return
         self._shutdown = True
+        if os.getpid() != self._owner_pid:
+            return  # a forked child collecting a copy: the workers are not its own
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown()
