@@ -41,6 +41,7 @@ class WorkerPool:
         """Start one worker per partial config (a dict of WorkerConfig fields
         without the connections)."""
         self.processes = []
+        self.pids = []
         self._tasks = []
         self._results = []
         self._exiting = set()
@@ -74,12 +75,10 @@ class WorkerPool:
             worker_tasks.close()
             worker_results.close()
         self.processes.append(process)
+        self.pids.append(process.pid)
         self._tasks.append(main_tasks)
         self._results.append(main_results)
 
-    @property
-    def pids(self):
-        return [p.pid for p in self.processes]
 
     def _update_wait_fds(self):
         # Workers told to exit are left out: their closed pipe and fired
@@ -166,6 +165,7 @@ class WorkerPool:
             if p.is_alive():
                 p.kill()
                 p.join()
+            p.close()  # its sentinel fds
         for conn in self._tasks + self._results:
             conn.close()
         self._exiting = set(range(len(self.processes)))

@@ -1,0 +1,193 @@
+"""Failures and cleanup (DESIGN.md contract 5): worker errors and deaths,
+timeouts, and that no worker or segment outlives the loader however the main
+process ends.  Anything that could hang runs under a hard timeout."""
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from shmloader import DataLoader, WorkerDied
+from tests.datasets_lifecycle import Dying, Failing, Images, Sleepy
+
+HANG = 60  # seconds after which a test counts as hung
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids, limit=15.0):
+    """The pids still alive after waiting up to `limit` seconds."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+def _our_segments():
+    return [n for n in os.listdir("/dev/shm") if n.startswith("shmloader-")]
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("how", ["delete", "break", "exhaust", "exception"])
+def test_workers_gone_and_nothing_left(how):
+    fds = _open_fds()
+    loader = DataLoader(Images(64), batch_size=4, num_workers=2)
+    it = iter(loader)
+    pids = it._pool.pids
+    next(it)
+    if how == "delete":
+        del it
+    elif how == "break":
+        for batch in it:
+            break
+        del it, batch  # a batch of torch's transport keeps its fd open
+    elif how == "exhaust":
+        list(it)
+    else:
+        def consume():
+            for i, _ in enumerate(it):
+                if i == 3:
+                    raise KeyError("user code failed")
+        with pytest.raises(KeyError):
+            consume()
+        del it
+    gc.collect()
+    assert _wait_gone(pids) == []
+    assert _our_segments() == []
+    assert _open_fds() <= fds
+
+
+def test_persistent_workers_gone_when_loader_deleted():
+    loader = DataLoader(Images(32), batch_size=4, num_workers=2, persistent_workers=True)
+    for _ in range(2):
+        list(loader)
+    pids = loader._iterator._pool.pids
+    del loader
+    gc.collect()
+    assert _wait_gone(pids) == []
+    assert _our_segments() == []
+
+
+def test_kept_batches_outlive_loader_unchanged():
+    loader = DataLoader(Images(40), batch_size=4, num_workers=2, slot_bytes=1 << 16)
+    kept = list(loader)
+    expected = [torch.stack([Images(40)[i] for i in range(b * 4, b * 4 + 4)]) for b in range(10)]
+    del loader
+    gc.collect()
+    for got, want in zip(kept, expected):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_worker_exception_reraised_and_next_epoch_works(context):
+    loader = DataLoader(Failing(24, bad=9), batch_size=4, num_workers=2,
+                        multiprocessing_context=context, persistent_workers=True)
+    for _ in range(2):
+        seen = []
+        it = iter(loader)
+        while True:
+            try:
+                seen.append(next(it)[0].item())
+            except StopIteration:
+                break
+            except ValueError as e:
+                assert "sample 9 is broken" in str(e)
+                assert "Caught ValueError in DataLoader worker process 0" in str(e)
+                assert "Original Traceback" in str(e)
+                seen.append("error")
+        assert seen == [0, 4, "error", 12, 16, 20]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSEGV, signal.SIGTERM])
+def test_worker_killed_by_signal_names_pid_and_signal(signum):
+    loader = DataLoader(Dying(64, at=20, signum=int(signum)), batch_size=2, num_workers=2)
+    with pytest.raises(WorkerDied) as e:
+        for _ in loader:
+            pass
+    message = str(e.value)
+    assert f"killed by signal: {signum.name}" in message
+    assert "pid " in message and "DataLoader worker" in message
+
+
+def test_worker_exit_names_exit_code():
+    loader = DataLoader(Dying(64, at=20, signum=0), batch_size=2, num_workers=2)
+    with pytest.raises(WorkerDied, match="exit code 1"):
+        list(loader)
+
+
+def test_worker_death_then_new_epoch_works():
+    loader = DataLoader(Dying(64, at=20, signum=int(signal.SIGKILL)), batch_size=2,
+                        num_workers=2, persistent_workers=True)
+    with pytest.raises(WorkerDied):
+        list(loader)
+    loader.dataset.at = -1  # the fresh workers of the next epoch do not die
+    assert len(list(loader)) == 32
+
+
+def test_timeout_raises_like_torch():
+    loader = DataLoader(Sleepy(8, seconds=3), batch_size=2, num_workers=2, timeout=0.3)
+    with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0.3 seconds"):
+        next(iter(loader))
+
+
+def test_many_iterators_do_not_grow_fds_or_children():
+    loader = DataLoader(Images(16), batch_size=4, num_workers=2)
+    list(loader)
+    gc.collect()
+    fds = _open_fds()
+    for _ in range(5):
+        it = iter(loader)
+        next(it)
+        del it
+    gc.collect()
+    assert _open_fds() <= fds
+    assert _our_segments() == []
+
+
+# ---- the main process ends abruptly: a separate process we kill ----
+
+MAIN_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from shmloader import DataLoader
+    from tests.datasets_lifecycle import Images
+    loader = DataLoader(Images(10**6), batch_size=4, num_workers=2, persistent_workers=True,
+                        multiprocessing_context=sys.argv[1])
+    it = iter(loader)
+    next(it)
+    print(" ".join(map(str, it._pool.pids)), flush=True)
+    for _ in it:
+        time.sleep(0.01)
+""")
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_main_process_killed_workers_exit(context, signum):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", MAIN_SCRIPT, context], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        pids = [int(p) for p in line.split()]
+        os.kill(proc.pid, signum)
+        proc.wait(HANG)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _wait_gone(pids) == []
+    assert _our_segments() == []

@@ -1,0 +1,222 @@
+"""The C ring through its Cython wrapper: states, checks, and a multi-process
+stress run that verifies every payload."""
+import errno
+import multiprocessing as mp
+import os
+import random
+import secrets
+import zlib
+
+import pytest
+import torch
+
+from shmloader import _ring
+from shmloader._ring import Ring
+
+
+@pytest.fixture
+def ring():
+    name = f"/shmloader-test-{secrets.token_hex(8)}"
+    r = Ring.create(name, 4, 10000)
+    Ring.unlink(name)
+    return r
+
+
+def test_geometry_is_page_aligned(ring):
+    page = os.sysconf("SC_PAGESIZE")
+    assert ring.nslots == 4
+    assert ring.slot_bytes % page == 0 and ring.slot_bytes >= 10000
+    assert ring.total_bytes >= 4 * ring.slot_bytes
+
+
+def test_state_machine(ring):
+    slot = ring.claim()
+    assert ring.slot_state(slot) == _ring.CLAIMED
+    ring.memory(slot).write(0, b"meta")
+    ring.publish(slot, 42, 0, 4)
+    assert ring.slot_state(slot) == _ring.READY
+    lease = ring.acquire()
+    assert (lease.slot, lease.seq, lease.meta()) == (slot, 42, b"meta")
+    assert ring.slot_state(slot) == _ring.READING
+    assert ring.acquire() is None
+    lease.release()
+    lease.release()  # idempotent
+    assert ring.slot_state(slot) == _ring.FREE
+
+
+def test_protocol_errors_are_exceptions(ring):
+    with pytest.raises(OSError) as e:
+        ring.publish(0, 1, 0, 0)  # not CLAIMED
+    assert e.value.errno == errno.EBUSY and "slot 0" in str(e.value)
+    with pytest.raises(OSError):
+        ring.release(0)  # not READING
+    slot = ring.claim()
+    with pytest.raises(OSError) as e:
+        ring.publish(slot, 1, ring.slot_bytes - 2, 10)  # metadata outside the slot
+    assert e.value.errno == errno.ERANGE
+    with pytest.raises(OSError):
+        ring.publish(99, 1, 0, 0)
+
+
+def test_claim_exhausts_then_none(ring):
+    slots = [ring.claim() for _ in range(4)]
+    assert sorted(slots) == [0, 1, 2, 3]
+    assert ring.claim() is None
+    ring.abandon(slots[2])
+    assert ring.claim() == slots[2]
+
+
+def test_lease_lives_as_long_as_tensor_views(ring):
+    slot = ring.claim()
+    ring.publish(slot, 7, 0, 0)
+    lease = ring.acquire()
+    view = torch.frombuffer(lease, dtype=torch.uint8)[100:200]
+    del lease
+    assert ring.slot_state(slot) == _ring.READING
+    view.fill_(3)
+    del view
+    assert ring.slot_state(slot) == _ring.FREE
+
+
+def test_memory_bounds_checked(ring):
+    mem = ring.memory(0)
+    with pytest.raises(ValueError):
+        mem.write(ring.slot_bytes - 1, b"xx")
+    with pytest.raises(ValueError):
+        mem.read(ring.slot_bytes, 1)
+    with pytest.raises(IndexError):
+        ring.memory(4)
+
+
+def test_wait_times_out_and_wakes_on_fd(ring):
+    assert ring.wait(0.05) is None
+    r, w = os.pipe()
+    try:
+        os.write(w, b"x")
+        assert ring.wait(5, [r]) == [r]
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_create_refuses_existing_name():
+    name = f"/shmloader-test-{secrets.token_hex(8)}"
+    first = Ring.create(name, 1, 100)
+    try:
+        with pytest.raises(FileExistsError):
+            Ring.create(name, 1, 100)
+    finally:
+        Ring.unlink(name)
+    del first
+
+
+def test_create_too_large_is_enospc_and_leaves_nothing():
+    name = f"/shmloader-test-{secrets.token_hex(8)}"
+    with pytest.raises(OSError) as e:
+        Ring.create(name, 2, 1 << 50)
+    assert e.value.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM)
+    assert name[1:] not in os.listdir("/dev/shm")
+
+
+def test_bad_geometry_rejected():
+    with pytest.raises(OSError) as e:
+        Ring.create(f"/shmloader-test-{secrets.token_hex(8)}", 0, 100)
+    assert e.value.errno == errno.EINVAL
+
+
+def test_attach_verifies_header(tmp_path):
+    # A file of the right owner and mode that is not a ring.
+    path = tmp_path / "not-a-ring"
+    path.write_bytes(b"\0" * 8192)
+    os.chmod(path, 0o600)
+    fd = os.open(path, os.O_RDWR)
+    efd = os.eventfd(0)
+    try:
+        with pytest.raises(OSError) as e:
+            Ring.attach(fd, efd)
+        assert e.value.errno == errno.EBADMSG
+        os.chmod(path, 0o644)
+        with pytest.raises(PermissionError):
+            Ring.attach(fd, efd)
+    finally:
+        os.close(fd)
+        os.close(efd)
+
+
+def test_attach_sees_same_bytes(ring):
+    fd, efd = ring.fds
+    other = Ring.attach(fd, efd)
+    slot = ring.claim()
+    ring.memory(slot).write(8, b"shared")
+    assert other.memory(slot).read(8, 6) == b"shared"
+    assert other.slot_state(slot) == _ring.CLAIMED
+
+
+# ---- stress: several producer processes, one consumer, checksummed payloads ----
+
+ROUNDS = 20000
+PRODUCERS = 3
+
+
+def _payload(seq: int, size: int) -> bytes:
+    return random.Random(seq).randbytes(size)
+
+
+def _producer(fd, efd, tasks, seed):
+    ring = Ring.attach(fd, efd)
+    rnd = random.Random(seed)
+    while True:
+        task = tasks.recv()
+        if task is None:
+            return
+        seq, slot = task
+        size = rnd.randrange(1, 3000)
+        data = _payload(seq, size)
+        mem = ring.memory(slot)
+        mem.write(0, data)
+        header = f"{size}:{zlib.crc32(data)}".encode()
+        mem.write(4096, header)
+        if rnd.random() < 0.01:
+            os.sched_yield()
+        ring.publish(slot, seq, 4096, len(header))
+
+
+def test_stress_many_processes_every_payload_checked():
+    name = f"/shmloader-test-{secrets.token_hex(8)}"
+    ring = Ring.create(name, 8, 8192)
+    Ring.unlink(name)
+    ctx = mp.get_context("fork")
+    pipes, procs = [], []
+    for i in range(PRODUCERS):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_producer, args=(*ring.fds, child, i), daemon=True)
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    sent = received = 0
+    outstanding = {}
+    try:
+        while received < ROUNDS:
+            while sent < ROUNDS and (slot := ring.claim()) is not None:
+                pipes[sent % PRODUCERS].send((sent, slot))
+                outstanding[sent] = slot
+                sent += 1
+            lease = ring.acquire()
+            if lease is None:
+                assert ring.wait(30, [p.sentinel for p in procs]) == [], "a producer died"
+                continue
+            assert outstanding.pop(lease.seq) == lease.slot
+            size, crc = map(int, lease.meta().split(b":"))
+            data = lease.read(0, size)
+            assert zlib.crc32(data) == crc
+            assert data == _payload(lease.seq, size)
+            lease.release()
+            received += 1
+        assert not outstanding
+        assert all(ring.slot_state(i) == _ring.FREE for i in range(ring.nslots))
+    finally:
+        for pipe in pipes:
+            pipe.send(None)
+        for p in procs:
+            p.join(10)
+            assert p.exitcode == 0
