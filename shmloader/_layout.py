@@ -79,14 +79,15 @@ class _DetachPickler(ForkingPickler):
         self._owns = owns
 
     def reducer_override(self, obj):
-        if type(obj) is torch.Tensor and self._owns(obj):
+        if self._owns is not None and type(obj) is torch.Tensor and self._owns(obj):
             return _identity, (obj.clone(),)
         return NotImplemented
 
 
 def dumps_detached(obj, owns) -> bytes:
     """Pickle `obj` for torch's transport, copying out every tensor for which
-    owns(tensor) is true, so the result shares no memory with the slot."""
+    owns(tensor) is true (owns may be None), so the result shares no memory
+    with the slot."""
     buf = io.BytesIO()
     _DetachPickler(buf, owns).dump(obj)
     return buf.getvalue()

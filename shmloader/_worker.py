@@ -227,12 +227,16 @@ def _do_task(cfg, fetcher, slot_collate, slots, task_id, index, slot, where):
             slots.ring.publish(slot, task_id, meta_off, meta_len)
             return None, False
     reason = {NO_SLOT: "ring_full", MEASURE: "no_ring"}.get(slot, "spill")
-    needed = slot_bytes_needed(data) if slot == MEASURE else 0
-    reply = ("batch", task_id, reason, data, needed)
-    if arena is not None:
-        # Tensors stacked into the slot must not travel by reference: the
-        # slot is given back below and may be refilled at once.
-        reply = _layout.dumps_detached(reply, arena.owns)
+    try:
+        needed = slot_bytes_needed(data) if slot == MEASURE else 0
+        # Pickled here, not by the pipe, so that a batch that cannot be
+        # pickled becomes this task's error instead of killing the worker;
+        # tensors stacked into the slot are copied out, since the slot is
+        # given back below and may be refilled at once.
+        reply = _layout.dumps_detached(("batch", task_id, reason, data, needed),
+                                       arena.owns if arena is not None else None)
+    except Exception:
+        reply = ("error", task_id, ExceptionWrapper(where=where))
     _give_back(slots, slot)
     return reply, False
 

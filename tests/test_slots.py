@@ -1,0 +1,207 @@
+"""The ring as users see it: batches are slot views that never change while
+held, kept batches never deadlock, oversize batches spill whole, leaves that
+cannot live in a slot fall back, and bad sizes are clear errors."""
+import collections
+import gc
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from shmloader import DataLoader, SharedMemoryError
+from tests.datasets_lifecycle import Images
+
+SLOT = 1 << 16
+Pair = collections.namedtuple("Pair", "image meta")
+
+
+def _expected(n, batch_size):
+    data = Images(n)
+    return [torch.stack([data[i] for i in range(s, min(s + batch_size, n))])
+            for s in range(0, n, batch_size)]
+
+
+def test_batches_are_views_of_the_ring():
+    loader = DataLoader(Images(32), batch_size=4, num_workers=2, slot_bytes=SLOT)
+    batches = []
+    for batch in loader:
+        batches.append(batch.clone())
+        # Not torch's per-batch shared segment: a view into the ring's storage.
+        assert not batch.untyped_storage().is_shared()
+    assert loader.stats().slot_batches == 8
+    assert [torch.equal(a, b) for a, b in zip(batches, _expected(32, 4))] == [True] * 8
+
+
+def test_list_of_loader_never_changes_and_warns_once():
+    loader = DataLoader(Images(200), batch_size=4, num_workers=2, slot_bytes=SLOT)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = list(loader)
+    ring_full = [w for w in caught if "ring slots are in use" in str(w.message)]
+    assert len(ring_full) == 1
+    stats = loader.stats()
+    assert stats.ring_full_batches > 0 and stats.slot_batches + stats.ring_full_batches == 50
+    for got, want in zip(kept, _expected(200, 4)):
+        assert torch.equal(got, want)
+
+
+def test_every_third_batch_kept_in_dict_stays_intact():
+    loader = DataLoader(Images(600), batch_size=4, num_workers=2, slot_bytes=SLOT,
+                        persistent_workers=True)
+    expected = _expected(600, 4)
+    for epoch in range(2):
+        kept = {}
+        for i, batch in enumerate(loader):
+            if i % 3 == 0:
+                kept[i] = batch
+            assert torch.equal(batch, expected[i])
+        for i, batch in kept.items():
+            assert torch.equal(batch, expected[i]), f"kept batch {i} changed"
+
+
+def test_released_slot_is_reused_only_after_views_die():
+    loader = DataLoader(Images(400), batch_size=4, num_workers=2, slot_bytes=SLOT,
+                        num_slots=6, persistent_workers=True)
+    first = None
+    expected = _expected(400, 4)
+    for i, batch in enumerate(loader):
+        if i == 0:
+            first = batch[1:3]  # a view of a view: still holds the slot
+        assert torch.equal(batch, expected[i])
+    assert torch.equal(first, expected[0][1:3])
+
+
+def test_in_place_edits_by_user_do_not_leak_into_later_batches():
+    loader = DataLoader(Images(64), batch_size=4, num_workers=2, slot_bytes=SLOT)
+    for i, (batch, want) in enumerate(zip(loader, _expected(64, 4))):
+        assert torch.equal(batch, want)
+        batch.fill_(255)  # the slot is ours until released
+
+
+def test_oversize_batch_spills_whole_and_is_counted():
+    class Growing(Images):
+        def __getitem__(self, i):
+            return torch.full((i + 1, 256), i % 251, dtype=torch.uint8)
+
+    # A local class is fine under fork.  Samples 0-14 fit a 4096-byte slot.
+    loader = DataLoader(Growing(40), batch_size=None, num_workers=2, slot_bytes=1024)
+    with pytest.warns(UserWarning, match="did not fit its 4096-byte slot"):
+        for i, t in enumerate(loader):
+            assert t.shape == (i + 1, 256) and bool((t == i % 251).all())
+    stats = loader.stats()
+    assert stats.spilled_batches >= 25 and stats.slot_batches >= 10
+    assert stats.spilled_batches + stats.slot_batches == 40
+
+
+def test_default_collate_spill_is_not_corrupted_by_slot_reuse():
+    # Stacked into the slot, then the metadata (a long string list) overflows it.
+    class Named(Images):
+        def __getitem__(self, i):
+            return super().__getitem__(i), "x" * 900 + str(i)
+
+    loader = DataLoader(Named(64), batch_size=4, num_workers=2, slot_bytes=4096)
+    with pytest.warns(UserWarning, match="did not fit"):
+        for b, (images, names) in enumerate(loader):
+            assert torch.equal(images, _expected(64, 4)[b])
+            assert names == tuple("x" * 900 + str(i) for i in range(b * 4, b * 4 + 4))
+
+
+def test_slot_size_learned_from_first_batch():
+    loader = DataLoader(Images(64, shape=(3, 32, 32)), batch_size=8, num_workers=2)
+    list(loader)
+    stats = loader.stats()
+    batch_bytes = 8 * 3 * 32 * 32
+    assert stats.slot_bytes >= batch_bytes and stats.slot_bytes < 4 * batch_bytes + 200_000
+    assert stats.unsized_batches == 4  # prefetch_factor * num_workers before sizing
+    list(loader)  # a new iterator starts with a sized ring
+    assert loader.stats().unsized_batches == 4
+
+
+def test_fallback_leaves_travel_by_torch_and_are_counted():
+    def collate(samples):
+        dense = torch.stack(samples)
+        return {"dense": dense, "sparse": dense.float().to_sparse(), "param": torch.nn.Parameter(dense.float())}
+
+    loader = DataLoader(Images(16), batch_size=4, num_workers=2, collate_fn=collate,
+                        slot_bytes=SLOT)
+    for b, batch in enumerate(loader):
+        want = _expected(16, 4)[b]
+        assert torch.equal(batch["dense"], want)
+        assert torch.equal(batch["sparse"].to_dense(), want.float())
+        assert type(batch["param"]) is torch.nn.Parameter
+    assert loader.stats().fallback_leaves == 8
+
+
+def test_numpy_leaves_land_in_slot_as_arrays():
+    def collate(samples):
+        return np.stack([s.numpy() for s in samples]), [int(s[0, 0, 0]) for s in samples]
+
+    loader = DataLoader(Images(16), batch_size=4, num_workers=2, collate_fn=collate,
+                        slot_bytes=SLOT)
+    for b, (array, ints) in enumerate(loader):
+        assert type(array) is np.ndarray and array.dtype == np.uint8
+        np.testing.assert_array_equal(array, _expected(16, 4)[b].numpy())
+        assert ints == list(range(b * 4, b * 4 + 4))
+    assert loader.stats().slot_batches == 4
+
+
+def test_noncontiguous_and_channels_last_leaves_keep_values_and_layout():
+    def collate(samples):
+        stacked = torch.stack(samples).float()
+        return stacked.transpose(1, 3), stacked.contiguous(memory_format=torch.channels_last)
+
+    loader = DataLoader(Images(8), batch_size=4, num_workers=2, collate_fn=collate,
+                        slot_bytes=SLOT)
+    for b, (t, cl) in enumerate(loader):
+        want = _expected(8, 4)[b].float()
+        assert torch.equal(t, want.transpose(1, 3))
+        assert torch.equal(cl, want) and cl.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_absurd_slot_bytes_is_clear_error_naming_bytes():
+    loader = DataLoader(Images(8), batch_size=4, num_workers=2, slot_bytes=1 << 44)
+    with pytest.raises(SharedMemoryError) as e:
+        iter(loader)
+    message = str(e.value)
+    assert str(8 * (1 << 44)) in message or "bytes of shared memory" in message
+    assert "/dev/shm" in message and "--shm-size" in message
+    gc.collect()
+
+
+@pytest.mark.parametrize("name,value", [("slot_bytes", 0), ("slot_bytes", -5), ("slot_bytes", 1.5),
+                                        ("slot_bytes", True), ("num_slots", 0),
+                                        ("num_slots", 10**6)])
+def test_bad_shm_options_rejected(name, value):
+    with pytest.raises(ValueError, match=name):
+        DataLoader(Images(8), batch_size=4, num_workers=2, **{name: value})
+
+
+def test_namedtuple_and_nested_structure_kept():
+    def collate(samples):
+        stacked = torch.stack(samples)
+        return Pair(stacked, {"ids": [int(s[0, 0, 0]) for s in samples],
+                              "nested": (stacked[:, 0], {"deep": [stacked.sum()]})})
+
+    loader = DataLoader(Images(8), batch_size=4, num_workers=2, collate_fn=collate,
+                        slot_bytes=SLOT)
+    for b, batch in enumerate(loader):
+        want = _expected(8, 4)[b]
+        assert type(batch) is Pair
+        assert torch.equal(batch.image, want)
+        assert torch.equal(batch.meta["nested"][0], want[:, 0])
+        assert torch.equal(batch.meta["nested"][1]["deep"][0], want.sum())
+
+
+def test_unpicklable_batch_is_that_batch_error_not_a_dead_worker():
+    Local = collections.namedtuple("Local", "x")  # not importable: cannot be pickled
+
+    def collate(samples):
+        return Local(torch.stack(samples)), lambda: None
+
+    loader = DataLoader(Images(8), batch_size=4, num_workers=2, collate_fn=collate)
+    it = iter(loader)
+    with pytest.raises(Exception, match="pickle"):
+        next(it)
+    with pytest.raises(Exception, match="pickle"):
+        next(it)  # the worker lived on and answered the next task too
