@@ -215,14 +215,24 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         """(task_id, payload) of the next result from any worker, or
         (None, ("resumed",)); sleeps until one comes, a worker dies, or the
         timeout passes."""
-        timeout = self._timeout if self._timeout > 0 else None
-        while True:
-            if self._arrivals:
-                return self._arrivals.popleft()
-            if self._ring is not None:
-                lease = self._ring.acquire()
-                if lease is not None:
-                    return lease.seq, lease
+        while not self._arrivals:
+            self._collect()
+        return self._arrivals.popleft()
+
+    def _collect(self) -> None:
+        """Move every result that has arrived, by ring or by pipe, into
+        _arrivals, sorted by task id.
+
+        A worker answers its tasks in order, some in slots and some on its
+        pipe; whatever it sent before a result we see is visible too (it
+        wrote its pipe before publishing a later slot, and published before
+        writing a later message).  So taking all of both channels at once and
+        sorting by task id keeps every worker's results in its own order."""
+        leases = self._acquire_all()
+        if leases:
+            fired = wait_fds(self._pool.wait_fds, 0)
+        else:
+            timeout = self._timeout if self._timeout > 0 else None
             started = time.perf_counter()
             if self._ring is not None:
                 fired = self._ring.wait(timeout, self._pool.wait_fds)
@@ -231,32 +241,38 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             self._counters.wait_seconds += time.perf_counter() - started
             if fired is None:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
-            try:
-                messages = self._pool.receive(fired)
-            except WorkerDied:
-                self._shutdown_workers()
-                raise
-            if messages and self._ring is not None:
-                # A worker publishes its slots before it writes to its pipe:
-                # take them first so each worker's results stay in its order
-                # (an IterableDataset's "stop" must not overtake its last batch).
-                while (lease := self._ring.acquire()) is not None:
-                    self._arrivals.append((lease.seq, lease))
-            for worker_id, msg in messages:
-                self._accept(worker_id, msg)
+        try:
+            messages = self._pool.receive(fired)
+        except WorkerDied:
+            self._shutdown_workers()
+            raise
+        arrivals = [(lease.seq, lease) for lease in leases]
+        for worker_id, msg in messages:
+            arrivals.append(self._accept(worker_id, msg))
+        if messages:
+            arrivals.extend((lease.seq, lease) for lease in self._acquire_all())
+        arrivals.sort(key=lambda a: -1 if a[0] is None else a[0])
+        self._arrivals.extend(arrivals)
 
-    def _accept(self, worker_id, msg) -> None:
+    def _acquire_all(self):
+        leases = []
+        if self._ring is not None:
+            while (lease := self._ring.acquire()) is not None:
+                leases.append(lease)
+        return leases
+
+    def _accept(self, worker_id, msg):
+        """The arrival (task_id or None, msg) for a worker's pipe message."""
         kind = msg[0]
         if kind == "resumed":
-            self._arrivals.append((None, msg))
-            return
+            return None, msg
         if kind == "batch" and msg[2] == "no_ring" and self._ring is None:
             # The first batch sizes the ring, with headroom for batches that
             # vary a little; bigger ones spill.
             needed = msg[4]
             self._options.learned_slot_bytes = needed + needed // 4 + 65536
             self._start_ring(self._options.learned_slot_bytes)
-        self._arrivals.append((msg[1], msg))
+        return msg[1], msg
 
     def _get_data(self):
         """(epoch index, data) of the next result of this epoch."""
