@@ -230,7 +230,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         sorting by task id keeps every worker's results in its own order."""
         leases = self._acquire_all()
         if leases:
-            fired = wait_fds(self._pool.wait_fds, 0)
+            # Only a look at the pipes (one poll()), no sleep.
+            fired = self._ring.wait(0, self._pool.wait_fds) or []
         else:
             timeout = self._timeout if self._timeout > 0 else None
             started = time.perf_counter()

@@ -8,6 +8,7 @@ death wakes the main process at once.
 """
 from __future__ import annotations
 
+import pickle
 import signal
 import socket
 import time
@@ -90,7 +91,9 @@ class WorkerPool:
 
     def send(self, worker_id: int, msg) -> None:
         try:
-            self._tasks[worker_id].send(msg)
+            # Plain pickle: a task holds indices, never tensors to share, and
+            # this skips ForkingPickler's per-call setup on the per-batch path.
+            self._tasks[worker_id].send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
         except OSError:
             self.raise_if_dead()
             raise
