@@ -125,6 +125,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 worker_id=i,
                 num_workers=self._num_workers,
                 shared_seed=self._shared_seed,
+                manager_pid=os.getpid(),
             )
             for i in range(self._num_workers)
         ])

@@ -25,6 +25,7 @@ import os
 import random
 import socket
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 from multiprocessing.reduction import recvfds
 from typing import Any, Callable
 
@@ -43,7 +44,7 @@ from ._ring import Ring
 NO_SLOT = -1  # every slot is held: use torch's transport
 MEASURE = -2  # no ring yet: use torch's transport and report the size needed
 
-# How often a worker waiting for tasks checks that its main process lives.
+# Without pidfds: how often a waiting worker checks that its main process lives.
 WATCHDOG_INTERVAL = 1.0
 
 
@@ -59,19 +60,43 @@ class WorkerConfig:
     worker_id: int
     num_workers: int
     shared_seed: int | None
+    manager_pid: int  # the main process: workers exit when it is gone
     tasks: Any  # Connection (a socket: it also carries the ring's fds)
     results: Any  # Connection
 
 
 class _Inbox:
     """Messages from the main process, read ahead so that tasks made stale by
-    a later resume or exit are skipped instead of computed."""
+    a later resume or exit are skipped instead of computed.
 
-    def __init__(self, conn):
+    Waiting also watches the main process itself: a pidfd (readable once it
+    has exited) where the kernel has them, else a check every
+    WATCHDOG_INTERVAL.  Its pid comes from the main process, not getppid()
+    here, which would already name a reaper if the main process died before
+    this worker got this far."""
+
+    def __init__(self, conn, manager_pid):
         self._conn = conn
         self._pending = collections.deque()
-        self._manager_pid = os.getppid()
+        self._manager_pid = manager_pid
+        self.manager_gone = False
+        self._manager_fd = None
+        try:
+            self._manager_fd = os.pidfd_open(manager_pid)
+        except ProcessLookupError:
+            self.manager_gone = True
+        except (AttributeError, OSError):
+            pass  # no pidfds: poll liveness instead
         self.ring_fds = None
+
+    def _manager_alive(self) -> bool:
+        try:
+            os.kill(self._manager_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
     def _read_available(self, timeout):
         while self._conn.poll(timeout):
@@ -84,15 +109,22 @@ class _Inbox:
                 self._pending.append(msg)
             timeout = 0
 
+    def _sleep(self) -> None:
+        """Until a message comes or the main process is gone."""
+        if self._manager_fd is not None:
+            fired = wait([self._conn, self._manager_fd])
+            self.manager_gone = fired == [self._manager_fd]
+        elif not wait([self._conn], WATCHDOG_INTERVAL):
+            self.manager_gone = not self._manager_alive()
+
     def next(self):
         """The next message, or None when told to exit or the main process is
-        gone.  Sleeps in the kernel, waking to check on the main process."""
-        while not self._pending:
-            self._read_available(WATCHDOG_INTERVAL)
-            if self.ring_fds is not None:
-                return ("ring",)
-            if not self._pending and os.getppid() != self._manager_pid:
+        gone.  Sleeps in the kernel until one of those happens."""
+        while not self._pending and self.ring_fds is None:
+            if self.manager_gone:
                 return None
+            self._sleep()
+            self._read_available(0)
         self._read_available(0)
         if self.ring_fds is not None:
             return ("ring",)
@@ -167,7 +199,7 @@ def _run(cfg: WorkerConfig) -> None:
     except Exception:
         init_exception = ExceptionWrapper(where=where)
 
-    inbox = _Inbox(cfg.tasks)
+    inbox = _Inbox(cfg.tasks, cfg.manager_pid)
     slots = None
     iteration_end = False
     while True:
