@@ -92,6 +92,10 @@ int shmring_create(const char *name, uint32_t nslots, uint64_t slot_bytes, shmri
 
     int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0) return -errno;
+    /* The name goes at once, before the slow part (reserving and touching
+     * every page): a process killed from here on leaves nothing in /dev/shm.
+     * The segment lives on in this fd and those passed to the producers. */
+    shm_unlink(name);
     int err = 0;
     int efd = -1;
     if (ftruncate(fd, (off_t)total) != 0) {
@@ -127,7 +131,6 @@ int shmring_create(const char *name, uint32_t nslots, uint64_t slot_bytes, shmri
 fail:
     if (efd >= 0) close(efd);
     close(fd);
-    shm_unlink(name);
     return -err;
 }
 
@@ -172,8 +175,6 @@ int shmring_attach(int fd, int efd, shmring_t **out) {
     }
     return 0;
 }
-
-int shmring_unlink(const char *name) { return shm_unlink(name) == 0 ? 0 : -errno; }
 
 void shmring_close_fds(shmring_t *r) {
     if (r->fd >= 0) close(r->fd);

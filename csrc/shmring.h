@@ -58,10 +58,13 @@ enum shmring_state {
 
 typedef struct shmring shmring_t; /* process-local handle, opaque */
 
-/* Create a segment named `name` (O_EXCL, mode 0600), size it for `nslots`
- * slots of at least `slot_bytes` each, reserve every page (posix_fallocate:
- * a too-small /dev/shm fails here with -ENOSPC, not later with SIGBUS), map
- * and prefault it, and create the wake-up eventfd. */
+/* Create a segment named `name` (O_EXCL, so an existing name fails with
+ * -EEXIST and is never attached to; mode 0600) and unlink the name at once:
+ * the segment is reachable only through fds from then on, so no process
+ * death can leave it in /dev/shm.  Size it for `nslots` slots of at least
+ * `slot_bytes` each, reserve every page (posix_fallocate: a too-small
+ * /dev/shm fails here with -ENOSPC, not later with SIGBUS), map and prefault
+ * it, and create the wake-up eventfd. */
 int shmring_create(const char *name, uint32_t nslots, uint64_t slot_bytes, shmring_t **out);
 
 /* Map a segment received as an open fd (plus its eventfd).  Checks that the
@@ -69,9 +72,6 @@ int shmring_create(const char *name, uint32_t nslots, uint64_t slot_bytes, shmri
  * version and geometry agree with the file size.  Takes ownership of neither
  * fd: the caller closes its copies. */
 int shmring_attach(int fd, int efd, shmring_t **out);
-
-/* Remove the name; mappings and fds stay valid. */
-int shmring_unlink(const char *name);
 
 /* Close the handle's fds (idempotent); the mapping stays until destroy. */
 void shmring_close_fds(shmring_t *r);

@@ -74,8 +74,8 @@ def _ring_bytes_message(nslots, slot_bytes, cause) -> str:
 
 
 def create_ring(nslots: int, slot_bytes: int) -> Ring:
-    """A new, prefaulted ring whose name is removed at once: it lives on in
-    the fds the workers receive, so nothing can be left behind in /dev/shm."""
+    """A new, prefaulted ring under a fresh unguessable name, which the C core
+    removes at once: the ring lives on in the fds the workers receive."""
     for _ in range(8):
         name = f"/shmloader-{os.getpid()}-{secrets.token_hex(12)}"
         try:
@@ -86,7 +86,6 @@ def create_ring(nslots: int, slot_bytes: int) -> Ring:
             if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EOVERFLOW):
                 raise SharedMemoryError(_ring_bytes_message(nslots, slot_bytes, e.strerror)) from e
             raise
-        Ring.unlink(name)
         return ring
     raise FileExistsError(errno.EEXIST, f"no free shared-memory name after 8 tries ({name})")
 
@@ -137,7 +136,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     # ---- ring -------------------------------------------------------------
 
     def _start_ring(self, slot_bytes: int) -> None:
-        self._ring = create_ring(self._nslots, slot_bytes)
+        self._ring = self._options.take_spare_ring(self._nslots, slot_bytes)
+        if self._ring is None:
+            self._ring = create_ring(self._nslots, slot_bytes)
         self._pool.send_ring(self._ring)
         self._counters.ring_slots = self._ring.nslots
         self._counters.slot_bytes = self._ring.slot_bytes
@@ -268,12 +269,12 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         kind = msg[0]
         if kind == "resumed":
             return None, msg
-        if kind == "batch" and msg[2] == "no_ring" and self._ring is None:
+        if kind == "batch" and msg[2] == "no_ring" and self._options.learned_slot_bytes is None:
             # The first batch sizes the ring, with headroom for batches that
-            # vary a little; bigger ones spill.
+            # vary a little; bigger ones spill.  The ring is made at the next
+            # next() call, so that its prefaulting does not delay this batch.
             needed = msg[4]
-            self._options.learned_slot_bytes = needed + needed // 4 + 65536
-            self._start_ring(self._options.learned_slot_bytes)
+            self._options.learned_slot_bytes = needed + needed // 16 + 65536
         return msg[1], msg
 
     def _get_data(self):
@@ -285,6 +286,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             _discard(payload)
 
     def _next_data(self):
+        if self._ring is None and self._options.learned_slot_bytes is not None:
+            self._start_ring(self._options.learned_slot_bytes)
         while True:
             # Skip tasks of workers that became inactive without an answer.
             while self._rcvd_idx < self._send_idx:
@@ -380,8 +383,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         while self._arrivals:
             _discard(self._arrivals.popleft()[1])
         if self._ring is not None:
-            # The mapping itself lives on while the user holds batches.
-            self._ring.close_fds()
+            # Every worker is gone: the ring goes back to the loader for its
+            # next iterator (batches the user holds keep their slots).
+            self._options.keep_spare_ring(self._ring)
             self._ring = None
 
     def __del__(self) -> None:

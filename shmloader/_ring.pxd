@@ -26,7 +26,6 @@ cdef extern from "shmring.h" nogil:
 
     int shmring_create(const char *name, uint32_t nslots, uint64_t slot_bytes, shmring_t **out)
     int shmring_attach(int fd, int efd, shmring_t **out)
-    int shmring_unlink(const char *name)
     void shmring_close_fds(shmring_t *r)
     void shmring_destroy(shmring_t *r)
     uint32_t shmring_nslots(const shmring_t *r)

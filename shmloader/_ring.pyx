@@ -44,7 +44,8 @@ cdef class Ring:
 
     @staticmethod
     def create(str name, uint32_t nslots, uint64_t slot_bytes):
-        """Create, reserve, map and prefault a new segment called `name`."""
+        """Create a segment called `name`, remove the name at once, then
+        reserve, map and prefault it."""
         cdef Ring ring = Ring.__new__(Ring)
         cdef bytes bname = name.encode()
         cdef const char *cname = bname
@@ -63,10 +64,6 @@ cdef class Ring:
             rc = shmring_attach(fd, efd, &ring._r)
         _check(rc, "attaching shared-memory ring")
         return ring
-
-    @staticmethod
-    def unlink(str name):
-        _check(shmring_unlink(name.encode()), f"unlinking shared-memory ring {name!r}")
 
     def close_fds(self):
         """Close the segment fd and eventfd (idempotent); the mapping stays

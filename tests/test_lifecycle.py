@@ -57,17 +57,20 @@ def test_workers_gone_and_nothing_left(how):
         del it, batch  # a batch of torch's transport keeps its fd open
     elif how == "exhaust":
         list(it)
+        del it  # an exhausted iterator still refers to the loader's ring
     else:
         def consume():
             for i, _ in enumerate(it):
                 if i == 3:
                     raise KeyError("user code failed")
-        with pytest.raises(KeyError):
+        with pytest.raises(KeyError) as info:
             consume()
-        del it
+        del it, info  # the traceback holds consume's frame and its batch
     gc.collect()
     assert _wait_gone(pids) == []
     assert _our_segments() == []
+    del loader  # it keeps its ring (two fds) for its next iterator
+    gc.collect()
     assert _open_fds() <= fds
 
 
@@ -146,7 +149,7 @@ def test_timeout_raises_like_torch():
 
 def test_many_iterators_do_not_grow_fds_or_children():
     loader = DataLoader(Images(16), batch_size=4, num_workers=2)
-    list(loader)
+    list(loader)  # sizes the ring, which the loader then keeps
     gc.collect()
     fds = _open_fds()
     for _ in range(5):

@@ -18,7 +18,7 @@ from shmloader._ring import Ring
 def ring():
     name = f"/shmloader-test-{secrets.token_hex(8)}"
     r = Ring.create(name, 4, 10000)
-    Ring.unlink(name)
+    assert name[1:] not in os.listdir("/dev/shm")  # unlinked at creation
     return r
 
 
@@ -100,14 +100,19 @@ def test_wait_times_out_and_wakes_on_fd(ring):
 
 
 def test_create_refuses_existing_name():
-    name = f"/shmloader-test-{secrets.token_hex(8)}"
-    first = Ring.create(name, 1, 100)
+    # Someone (another user, say) already holds the name: creation must fail,
+    # never open their file.
+    name = f"shmloader-test-{secrets.token_hex(8)}"
+    path = os.path.join("/dev/shm", name)
+    with open(path, "wb") as f:
+        f.write(b"attacker")
     try:
         with pytest.raises(FileExistsError):
-            Ring.create(name, 1, 100)
+            Ring.create("/" + name, 1, 100)
+        with open(path, "rb") as f:
+            assert f.read() == b"attacker"
     finally:
-        Ring.unlink(name)
-    del first
+        os.unlink(path)
 
 
 def test_create_too_large_is_enospc_and_leaves_nothing():
@@ -184,7 +189,6 @@ def _producer(fd, efd, tasks, seed):
 def test_stress_many_processes_every_payload_checked():
     name = f"/shmloader-test-{secrets.token_hex(8)}"
     ring = Ring.create(name, 8, 8192)
-    Ring.unlink(name)
     ctx = mp.get_context("fork")
     pipes, procs = [], []
     for i in range(PRODUCERS):

@@ -113,9 +113,13 @@ def test_slot_size_learned_from_first_batch():
     stats = loader.stats()
     batch_bytes = 8 * 3 * 32 * 32
     assert stats.slot_bytes >= batch_bytes and stats.slot_bytes < 4 * batch_bytes + 200_000
-    assert stats.unsized_batches == 4  # prefetch_factor * num_workers before sizing
-    list(loader)  # a new iterator starts with a sized ring
-    assert loader.stats().unsized_batches == 4
+    # prefetch_factor * num_workers sent before the first batch came back,
+    # and the one dispatched while it is yielded (the ring is made after).
+    assert stats.unsized_batches == 5
+    ring = loader._shm_options.spare_ring
+    list(loader)  # a new iterator reuses the sized ring
+    assert loader.stats().unsized_batches == 5
+    assert loader._shm_options.spare_ring is ring
 
 
 def test_fallback_leaves_travel_by_torch_and_are_counted():
