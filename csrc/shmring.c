@@ -82,20 +82,39 @@ static int map_segment(int fd, int efd, uint64_t bytes, shmring_t **out) {
     return 0;
 }
 
-int shmring_create(const char *name, uint32_t nslots, uint64_t slot_bytes, shmring_t **out) {
-    if (nslots == 0 || nslots > SHMRING_MAX_SLOTS || slot_bytes == 0) return -EINVAL;
-    uint64_t slot = round_up(slot_bytes, page_size());
-    uint64_t data_off = data_offset(nslots);
-    if (slot > (UINT64_MAX - data_off) / nslots) return -EOVERFLOW;
-    uint64_t total = data_off + (uint64_t)nslots * slot;
-    if (total > (uint64_t)INT64_MAX) return -EOVERFLOW;
+/* Size, reserve, map and initialise a new segment in `fd` (which it owns:
+ * closed on failure). */
+static int init_segment(int fd, uint32_t nslots, uint64_t slot_bytes, shmring_t **out);
 
+int shmring_create_in(const char *dir, uint32_t nslots, uint64_t slot_bytes, shmring_t **out) {
+    int fd = open(dir, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0) return -errno;
+    return init_segment(fd, nslots, slot_bytes, out);
+}
+
+int shmring_create_named(const char *name, uint32_t nslots, uint64_t slot_bytes,
+                         shmring_t **out) {
     int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0) return -errno;
     /* The name goes at once, before the slow part (reserving and touching
-     * every page): a process killed from here on leaves nothing in /dev/shm.
-     * The segment lives on in this fd and those passed to the producers. */
+     * every page); the segment lives on in this fd and the producers'. */
     shm_unlink(name);
+    return init_segment(fd, nslots, slot_bytes, out);
+}
+
+static int init_segment(int fd, uint32_t nslots, uint64_t slot_bytes, shmring_t **out) {
+    uint64_t slot = round_up(slot_bytes, page_size());
+    uint64_t data_off = data_offset(nslots);
+    uint64_t total = 0;
+    if (nslots == 0 || nslots > SHMRING_MAX_SLOTS || slot_bytes == 0) {
+        close(fd);
+        return -EINVAL;
+    }
+    if (slot > (UINT64_MAX - data_off) / nslots ||
+        (total = data_off + (uint64_t)nslots * slot) > (uint64_t)INT64_MAX) {
+        close(fd);
+        return -EOVERFLOW;
+    }
     int err = 0;
     int efd = -1;
     if (ftruncate(fd, (off_t)total) != 0) {

@@ -58,14 +58,20 @@ enum shmring_state {
 
 typedef struct shmring shmring_t; /* process-local handle, opaque */
 
-/* Create a segment named `name` (O_EXCL, so an existing name fails with
- * -EEXIST and is never attached to; mode 0600) and unlink the name at once:
- * the segment is reachable only through fds from then on, so no process
- * death can leave it in /dev/shm.  Size it for `nslots` slots of at least
- * `slot_bytes` each, reserve every page (posix_fallocate: a too-small
- * /dev/shm fails here with -ENOSPC, not later with SIGBUS), map and prefault
- * it, and create the wake-up eventfd. */
-int shmring_create(const char *name, uint32_t nslots, uint64_t slot_bytes, shmring_t **out);
+/* Create a segment for `nslots` slots of at least `slot_bytes` each, reserve
+ * every page (posix_fallocate: a too-small /dev/shm fails here with -ENOSPC,
+ * not later with SIGBUS), map and prefault it, and create the wake-up
+ * eventfd.  The segment never has a name anyone else could open or that a
+ * dying process could leave behind:
+ *   _in:    an unnamed file (O_TMPFILE) in the tmpfs directory `dir`;
+ *   _named: for kernels without O_TMPFILE on tmpfs, shm_open(`name`, O_EXCL)
+ *           (an existing name fails with -EEXIST, never attaches to someone
+ *           else's file), unlinked right away.
+ * Either way the segment lives on only in fds: this handle's and those
+ * passed to the producers. */
+int shmring_create_in(const char *dir, uint32_t nslots, uint64_t slot_bytes, shmring_t **out);
+int shmring_create_named(const char *name, uint32_t nslots, uint64_t slot_bytes,
+                         shmring_t **out);
 
 /* Map a segment received as an open fd (plus its eventfd).  Checks that the
  * file belongs to this user with no group/other access, and that magic,

@@ -26,12 +26,6 @@ class SlotFull(Exception):
     """The batch (data plus metadata) does not fit its slot."""
 
 
-def _span_bytes(shape, stride, itemsize) -> int:
-    if any(s == 0 for s in shape):
-        return 0
-    return (sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * itemsize
-
-
 class Arena:
     """Allocates aligned regions of one slot, front to back, for one batch."""
 
@@ -53,7 +47,7 @@ class Arena:
         """An uninitialised tensor living in the slot."""
         if stride is None:
             stride = torch.empty(shape, dtype=dtype, device="meta").stride()
-        offset = self._alloc(_span_bytes(shape, stride, dtype.itemsize))
+        offset = self._alloc(_layout.span_elements(shape, stride) * dtype.itemsize)
         return torch.empty((0,), dtype=dtype).set_(
             self._storage, offset // dtype.itemsize, shape, stride
         )

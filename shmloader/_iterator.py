@@ -74,20 +74,26 @@ def _ring_bytes_message(nslots, slot_bytes, cause) -> str:
 
 
 def create_ring(nslots: int, slot_bytes: int) -> Ring:
-    """A new, prefaulted ring under a fresh unguessable name, which the C core
-    removes at once: the ring lives on in the fds the workers receive."""
-    for _ in range(8):
-        name = f"/shmloader-{os.getpid()}-{secrets.token_hex(12)}"
+    """A new, prefaulted ring that no one else can open and nothing can leave
+    behind in /dev/shm: it lives only in the fds the workers receive."""
+    try:
         try:
-            ring = Ring.create(name, nslots, slot_bytes)
-        except FileExistsError:
-            continue  # someone holds that name: never attach to it, pick another
+            return Ring.create_in(SHM_DIR, nslots, slot_bytes)
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EOVERFLOW):
-                raise SharedMemoryError(_ring_bytes_message(nslots, slot_bytes, e.strerror)) from e
-            raise
-        return ring
-    raise FileExistsError(errno.EEXIST, f"no free shared-memory name after 8 tries ({name})")
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+        # No O_TMPFILE on this tmpfs: a fresh unguessable name, unlinked at once.
+        for _ in range(8):
+            name = f"/shmloader-{os.getpid()}-{secrets.token_hex(12)}"
+            try:
+                return Ring.create_named(name, nslots, slot_bytes)
+            except FileExistsError:
+                continue  # someone holds that name: never attach to it, pick another
+        raise FileExistsError(errno.EEXIST, f"no free shared-memory name after 8 tries ({name})")
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EOVERFLOW):
+            raise SharedMemoryError(_ring_bytes_message(nslots, slot_bytes, e.strerror)) from e
+        raise
 
 
 class ShmLoaderIter(_BaseDataLoaderIter):

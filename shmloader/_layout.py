@@ -93,24 +93,32 @@ def dumps_detached(obj, owns) -> bytes:
     return buf.getvalue()
 
 
+def span_elements(shape, stride) -> int:
+    """Elements from a strided tensor's first to its last, inclusive."""
+    if any(n == 0 for n in shape):
+        return 0
+    return sum((n - 1) * st for n, st in zip(shape, stride)) + 1
+
+
 class _RefUnpickler(pickle.Unpickler):
     def __init__(self, file, slot_buffer):
         super().__init__(file)
         self._buffer = slot_buffer
-        self._storage = None
 
     def persistent_load(self, ref):
         kind = ref[0]
         if kind == TENSOR:
             _, offset, dtype, shape, stride, requires_grad = ref
-            if self._storage is None:
-                # One storage per batch: every leaf views it, and it holds the
-                # slot's lease until the last leaf dies.
-                self._storage = torch.frombuffer(self._buffer, dtype=torch.uint8).untyped_storage()
-            itemsize = dtype.itemsize
-            tensor = torch.empty((0,), dtype=dtype).set_(
-                self._storage, offset // itemsize, shape, stride
-            )
+            count = span_elements(shape, stride)
+            if count == 0:
+                tensor = torch.empty(shape, dtype=dtype)
+            else:
+                # A storage of exactly this leaf's bytes (torch.save and
+                # pickling of one leaf then carry that leaf only), holding the
+                # slot's lease until it dies.
+                storage = torch.frombuffer(self._buffer, dtype=dtype, count=count,
+                                           offset=offset).untyped_storage()
+                tensor = torch.empty((0,), dtype=dtype).set_(storage, 0, shape, stride)
             return tensor.requires_grad_() if requires_grad else tensor
         if kind == NDARRAY:
             _, offset, dtype, shape, strides = ref

@@ -24,7 +24,8 @@ cdef extern from "shmring.h" nogil:
         SHMRING_READING
         SHMRING_MAX_SLOTS
 
-    int shmring_create(const char *name, uint32_t nslots, uint64_t slot_bytes, shmring_t **out)
+    int shmring_create_in(const char *dir, uint32_t nslots, uint64_t slot_bytes, shmring_t **out)
+    int shmring_create_named(const char *name, uint32_t nslots, uint64_t slot_bytes, shmring_t **out)
     int shmring_attach(int fd, int efd, shmring_t **out)
     void shmring_close_fds(shmring_t *r)
     void shmring_destroy(shmring_t *r)

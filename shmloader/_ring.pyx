@@ -43,15 +43,27 @@ cdef class Ring:
             self._r = NULL
 
     @staticmethod
-    def create(str name, uint32_t nslots, uint64_t slot_bytes):
-        """Create a segment called `name`, remove the name at once, then
-        reserve, map and prefault it."""
+    def create_in(str directory, uint32_t nslots, uint64_t slot_bytes):
+        """A new reserved, mapped, prefaulted segment: an unnamed file in the
+        tmpfs `directory`."""
+        cdef Ring ring = Ring.__new__(Ring)
+        cdef bytes path = directory.encode()
+        cdef const char *cpath = path
+        cdef int rc
+        with nogil:
+            rc = shmring_create_in(cpath, nslots, slot_bytes, &ring._r)
+        _check(rc, f"creating a shared-memory ring in {directory} ({nslots} x {slot_bytes} bytes)")
+        return ring
+
+    @staticmethod
+    def create_named(str name, uint32_t nslots, uint64_t slot_bytes):
+        """As create_in, through shm_open(name), whose name is removed at once."""
         cdef Ring ring = Ring.__new__(Ring)
         cdef bytes bname = name.encode()
         cdef const char *cname = bname
         cdef int rc
         with nogil:
-            rc = shmring_create(cname, nslots, slot_bytes, &ring._r)
+            rc = shmring_create_named(cname, nslots, slot_bytes, &ring._r)
         _check(rc, f"creating shared-memory ring {name!r} ({nslots} x {slot_bytes} bytes)")
         return ring
 

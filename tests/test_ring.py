@@ -14,11 +14,14 @@ from shmloader import _ring
 from shmloader._ring import Ring
 
 
-@pytest.fixture
-def ring():
-    name = f"/shmloader-test-{secrets.token_hex(8)}"
-    r = Ring.create(name, 4, 10000)
-    assert name[1:] not in os.listdir("/dev/shm")  # unlinked at creation
+@pytest.fixture(params=["unnamed", "named"])
+def ring(request):
+    before = set(os.listdir("/dev/shm"))
+    if request.param == "unnamed":
+        r = Ring.create_in("/dev/shm", 4, 10000)
+    else:
+        r = Ring.create_named(f"/shmloader-test-{secrets.token_hex(8)}", 4, 10000)
+    assert set(os.listdir("/dev/shm")) == before  # no name left behind
     return r
 
 
@@ -108,7 +111,7 @@ def test_create_refuses_existing_name():
         f.write(b"attacker")
     try:
         with pytest.raises(FileExistsError):
-            Ring.create("/" + name, 1, 100)
+            Ring.create_named("/" + name, 1, 100)
         with open(path, "rb") as f:
             assert f.read() == b"attacker"
     finally:
@@ -118,14 +121,17 @@ def test_create_refuses_existing_name():
 def test_create_too_large_is_enospc_and_leaves_nothing():
     name = f"/shmloader-test-{secrets.token_hex(8)}"
     with pytest.raises(OSError) as e:
-        Ring.create(name, 2, 1 << 50)
+        Ring.create_named(name, 2, 1 << 50)
     assert e.value.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM)
     assert name[1:] not in os.listdir("/dev/shm")
+    with pytest.raises(OSError) as e:
+        Ring.create_in("/dev/shm", 2, 1 << 50)
+    assert e.value.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM)
 
 
 def test_bad_geometry_rejected():
     with pytest.raises(OSError) as e:
-        Ring.create(f"/shmloader-test-{secrets.token_hex(8)}", 0, 100)
+        Ring.create_in("/dev/shm", 0, 100)
     assert e.value.errno == errno.EINVAL
 
 
@@ -187,8 +193,7 @@ def _producer(fd, efd, tasks, seed):
 
 
 def test_stress_many_processes_every_payload_checked():
-    name = f"/shmloader-test-{secrets.token_hex(8)}"
-    ring = Ring.create(name, 8, 8192)
+    ring = Ring.create_in("/dev/shm", 8, 8192)
     ctx = mp.get_context("fork")
     pipes, procs = [], []
     for i in range(PRODUCERS):

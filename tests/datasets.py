@@ -1,0 +1,554 @@
+"""Module-level datasets, samplers, collate and init functions shared by the behaviour tests.
+
+Everything here is picklable by reference, so it works with the 'spawn' and 'forkserver' start
+methods (the child imports this module by name). Nothing here imports shmloader: the same objects
+are fed to torch's DataLoader and to shmloader.DataLoader, and the outputs are compared with
+`assert_same` / `canon`.
+"""
+import math
+import random
+import time
+from collections import OrderedDict, namedtuple
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
+
+Point = namedtuple("Point", ["x", "label"])
+
+# State written by worker_init_fn inside a worker; read back by WorkerStateMap samples.
+_WORKER_STATE = {}
+
+
+def _worker_fields():
+    """(id, num_workers, seed as str) of the calling worker, or (-1, 0, '') in the main process.
+
+    The seed is a string because base_seed + id can exceed int64 and break default_collate.
+    """
+    info = get_worker_info()
+    if info is None:
+        return -1, 0, ""
+    return info.id, info.num_workers, str(info.seed)
+
+
+# --------------------------------------------------------------------------- map-style datasets
+class IndexMap(Dataset):
+    """Sample i = (i, float32 tensor [i, i, i])."""
+
+    def __init__(self, n=20):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i, torch.full((3,), float(i), dtype=torch.float32)
+
+
+class JitterMap(IndexMap):
+    """IndexMap whose every 8th sample takes a little longer, so that with in_order=False batches
+    can really arrive out of order. (No assertion depends on timing.)"""
+
+    def __getitem__(self, i):
+        if i % 8 == 0:
+            time.sleep(0.02)
+        return super().__getitem__(i)
+
+
+class RNGMap(Dataset):
+    """Each sample draws from `random`, torch and numpy global RNGs and reports get_worker_info()."""
+
+    def __init__(self, n=16):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        wid, nw, seed = _worker_fields()
+        info = get_worker_info()
+        return {
+            "index": i,
+            "wid": wid,
+            "num_workers": nw,
+            "seed": seed,
+            "same_dataset": bool(info is not None and info.dataset is self),
+            "initial_seed": str(torch.initial_seed()),
+            "threads": torch.get_num_threads(),
+            "py": random.random(),
+            "py_int": random.getrandbits(31),
+            "torch": torch.rand(3),
+            "torch_int": torch.randint(0, 1 << 30, (2,)),
+            "np": np.random.rand(3),
+            "np_int": np.random.randint(0, 1 << 30, size=2),
+        }
+
+
+def _rich_sample(i):
+    g = torch.Generator().manual_seed(i)
+    base = torch.randn(2, 3, generator=g)
+    return {
+        "u8": torch.arange(6, dtype=torch.uint8).reshape(2, 3) + i,
+        "f32": base,
+        "f16": base.to(torch.float16),
+        "bf16": base.to(torch.bfloat16),
+        "bool": base > 0,
+        "i64": torch.tensor([i, -i, 2**40 + i]),
+        "c64": torch.complex(base, -base),
+        "i16": torch.full((2,), i, dtype=torch.int16),
+        "f64_scalar": torch.tensor(i * 1.5, dtype=torch.float64),
+        "i32_scalar": torch.tensor(i, dtype=torch.int32),
+        "empty": torch.empty(0, 4),
+        "special": torch.tensor([math.nan, math.inf, -math.inf, -0.0, float(i)]),
+        "np_f64": np.linspace(0.0, float(i), 5),
+        "np_i32": np.arange(4, dtype=np.int32) * i,
+        "np_u8": np.full((2, 2), i, dtype=np.uint8),
+        "np_bool": np.array([i % 2 == 0, True]),
+        "np_f16": np.array([i / 4, math.nan], dtype=np.float16),
+        "np_c128": np.array([complex(i, -i)]),
+        "np_empty": np.zeros((0, 3), dtype=np.float32),
+        "np_f32_scalar": np.float32(i / 3),
+        "np_i64_scalar": np.int64(i * 1000),
+        "np_bool_scalar": np.bool_(i % 2),
+        "int": i,
+        "float": i / 7,
+        "bool_py": i % 3 == 0,
+        "str": f"s{i}",
+        "bytes": f"b{i}".encode(),
+        "tuple": (torch.tensor(i), (f"n{i}", np.array([i, i]))),
+        "list": [torch.ones(2) * i, i],
+        "point": Point(torch.tensor([i, i + 1]), f"p{i}"),
+        "nested": {"a": {"b": torch.full((2,), i, dtype=torch.int8)}, "c": Point(i, np.float64(i))},
+        "odict": OrderedDict([("z", i), ("a", torch.tensor(float(i)))]),
+        "noncontig": torch.arange(12.0).reshape(3, 4).t() + i,
+    }
+
+
+class RichMap(Dataset):
+    """Samples with many leaf kinds: tensors of several dtypes (incl. 0-dim, empty, NaN/inf/-0.0,
+    non-contiguous), numpy arrays and scalars, python scalars, str/bytes, tuples, lists,
+    namedtuples, nested dicts and an OrderedDict."""
+
+    def __init__(self, n=8):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return _rich_sample(i)
+
+
+class GetItemsMap(Dataset):
+    """Has __getitems__, which torch's fetcher uses for a whole batch when auto-collating."""
+
+    def __init__(self, n=10):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"i": i, "via": "getitem"}
+
+    def __getitems__(self, indices):
+        return [{"i": i, "via": f"getitems{len(indices)}"} for i in indices]
+
+
+class GrowingMap(Dataset):
+    """Sample 0 is empty; later samples grow geometrically (up to 4 MiB), so a slot sized from the
+    first batch is too small for the later ones."""
+
+    def __init__(self, n=12):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        size = 0 if i == 0 else min(16 * 4**i, 1 << 20)
+        return torch.arange(size, dtype=torch.float32) + i
+
+
+class SparseMap(Dataset):
+    """Sparse COO leaves (not slot-able: must take the fallback path) next to dense ones."""
+
+    def __init__(self, n=6):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        sp = torch.sparse_coo_tensor(
+            [[0, i % 4]], [1.0, float(i)], (5,), check_invariants=True
+        )
+        return {"sparse": sp, "dense": torch.tensor([i, i])}
+
+
+class WorkerStateMap(Dataset):
+    """Samples expose what worker_init_fn did: a module global and an attribute it set on the
+    worker's copy of the dataset."""
+
+    def __init__(self, n=12):
+        self.n = n
+        self.offset = 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        wid, nw, _ = _worker_fields()
+        return {"i": i, "value": i + self.offset, "mark": _WORKER_STATE.get("mark", -1), "wid": wid}
+
+
+class FailingMap(Dataset):
+    """Raises for indices in `bad`. exc selects the exception kind."""
+
+    def __init__(self, n=12, bad=(3, 8), exc="ValueError"):
+        self.n = n
+        self.bad = set(bad)
+        self.exc = exc
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i in self.bad:
+            if self.exc == "KeyError":
+                raise KeyError(f"missing {i}")
+            if self.exc == "TwoArgError":
+                raise TwoArgError(f"bad {i}", i)
+            raise ValueError(f"bad index {i}")
+        return torch.tensor([i])
+
+
+class NoneMap(Dataset):
+    """Sample 5 is None, which torch's default_collate rejects with a TypeError (in the worker)."""
+
+    def __init__(self, n=10):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return None if i == 5 else torch.tensor(i)
+
+
+class SlowMap(Dataset):
+    def __init__(self, n=6, slow=(4,), delay=3.0):
+        self.n = n
+        self.slow = set(slow)
+        self.delay = delay
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i in self.slow:
+            time.sleep(self.delay)
+        return torch.tensor([i])
+
+
+class TwoArgError(Exception):
+    """Cannot be rebuilt from a single message: torch re-raises it as RuntimeError."""
+
+    def __init__(self, a, b):
+        super().__init__(a, b)
+
+
+# --------------------------------------------------------------------------- iterable datasets
+class ShardedIterable(IterableDataset):
+    """Shards range(start, start+n) across workers with get_worker_info()."""
+
+    def __init__(self, n=11, start=0):
+        self.n = n
+        self.start = start
+
+    def __iter__(self):
+        wid, nw, _ = _worker_fields()
+        step = max(nw, 1)
+        first = self.start + max(wid, 0)
+        for i in range(first, self.start + self.n, step):
+            yield {"i": i, "wid": wid, "x": torch.full((2,), i, dtype=torch.float64), "name": f"item{i}"}
+
+
+class LenIterable(ShardedIterable):
+    def __len__(self):
+        return self.n
+
+
+class LyingLenIterable(ShardedIterable):
+    """Reports half its real length: torch warns once more samples than len() were fetched."""
+
+    def __len__(self):
+        return self.n // 2
+
+
+class UnshardedIterable(IterableDataset):
+    """Every worker yields the whole range (duplicates, as torch documents)."""
+
+    def __init__(self, n=5):
+        self.n = n
+
+    def __iter__(self):
+        wid, _, _ = _worker_fields()
+        for i in range(self.n):
+            yield torch.tensor([i, wid])
+
+
+class RNGIterable(IterableDataset):
+    def __init__(self, n=10):
+        self.n = n
+
+    def __iter__(self):
+        wid, nw, _ = _worker_fields()
+        inner = RNGMap(self.n)
+        for i in range(max(wid, 0), self.n, max(nw, 1)):
+            yield inner[i]
+
+
+class RichIterable(IterableDataset):
+    def __init__(self, n=8):
+        self.n = n
+
+    def __iter__(self):
+        wid, nw, _ = _worker_fields()
+        for i in range(max(wid, 0), self.n, max(nw, 1)):
+            yield _rich_sample(i)
+
+
+class RangeIterable(IterableDataset):
+    """torch's documented pattern: worker_init_fn (shard_init_fn) narrows [start, end)."""
+
+    def __init__(self, start=3, end=20):
+        self.start = start
+        self.end = end
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+
+class FailingIterable(IterableDataset):
+    """Worker 1 raises after yielding two items; worker 0 is fine."""
+
+    def __init__(self, n=12):
+        self.n = n
+
+    def __iter__(self):
+        wid, nw, _ = _worker_fields()
+        for k, i in enumerate(range(max(wid, 0), self.n, max(nw, 1))):
+            if wid == 1 and k == 2:
+                raise ValueError(f"iterable failed at {i} in worker {wid}")
+            yield torch.tensor(i)
+
+
+# --------------------------------------------------------------------------- worker_init_fn
+def mark_init_fn(worker_id):
+    _WORKER_STATE["mark"] = 100 + worker_id
+    get_worker_info().dataset.offset = 1000 * (worker_id + 1)
+
+
+def reseed_init_fn(worker_id):
+    # A common user pattern: derive numpy's seed from torch's per-worker seed, and draw in init.
+    np.random.seed((torch.initial_seed() + 17) % 2**32)
+    random.random()
+    torch.rand(1)
+
+
+def shard_init_fn(worker_id):
+    info = get_worker_info()
+    ds = info.dataset
+    per = int(math.ceil((ds.end - ds.start) / float(info.num_workers)))
+    ds.start = ds.start + worker_id * per
+    ds.end = min(ds.start + per, ds.end)
+
+
+def failing_init_fn(worker_id):
+    if worker_id == 1:
+        raise ValueError(f"init failed for worker {worker_id}")
+
+
+# --------------------------------------------------------------------------- samplers
+class ReverseSampler(Sampler):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n - 1, -1, -1))
+
+    def __len__(self):
+        return self.n
+
+
+class SettableSampler(Sampler):
+    """Yields self.indices; the test changes them between epochs (the sampler lives in the main
+    process, so this works with persistent workers too)."""
+
+    def __init__(self, indices):
+        self.indices = list(indices)
+
+    def __iter__(self):
+        return iter(list(self.indices))
+
+    def __len__(self):
+        return len(self.indices)
+
+
+class ChunkBatchSampler(Sampler):
+    """Batches of sizes 1, 2, 3, 1, 2, 3, ... over range(n)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def _batches(self):
+        out, start, k = [], 0, 0
+        while start < self.n:
+            size = k % 3 + 1
+            out.append(list(range(start, min(start + size, self.n))))
+            start += size
+            k += 1
+        return out
+
+    def __iter__(self):
+        return iter(self._batches())
+
+    def __len__(self):
+        return len(self._batches())
+
+
+class CountingBatchSampler(Sampler):
+    """Counts how many batches the loader has pulled from it (in the main process)."""
+
+    def __init__(self, n, batch_size):
+        self.n = n
+        self.batch_size = batch_size
+        self.pulled = 0
+
+    def __iter__(self):
+        for s in range(0, self.n, self.batch_size):
+            self.pulled += 1
+            yield list(range(s, min(s + self.batch_size, self.n)))
+
+    def __len__(self):
+        return (self.n + self.batch_size - 1) // self.batch_size
+
+
+# --------------------------------------------------------------------------- collate functions
+def numpy_collate(batch):
+    """For IndexMap samples: numpy arrays out, no tensors."""
+    return np.array([s[0] for s in batch]), np.stack([s[1].numpy() for s in batch])
+
+
+def dict_collate(batch):
+    """For RichMap samples: a dict mixing tensors, numpy, strings, ints, None, a namedtuple."""
+    return {
+        "index": [s["int"] for s in batch],
+        "names": tuple(s["str"] for s in batch),
+        "f32": torch.stack([s["f32"] for s in batch]),
+        "bf16": torch.stack([s["bf16"] for s in batch]),
+        "np": np.stack([s["np_f64"] for s in batch]),
+        "meta": {"n": len(batch), "tag": "dict_collate", "none": None, "pt": Point(len(batch), "x")},
+    }
+
+
+def identity_collate(batch):
+    return batch
+
+
+class Box:
+    """An arbitrary user object holding a tensor: cannot live in a slot, must be pickled."""
+
+    def __init__(self, tensor, label):
+        self.tensor = tensor
+        self.label = label
+
+
+def object_collate(batch):
+    """For IndexMap samples: arbitrary objects and non-tensor leaves."""
+    idx = [s[0] for s in batch]
+    return {
+        "box": Box(torch.stack([s[1] for s in batch]), label=f"box{idx[0]}"),
+        "set": frozenset(idx),
+        "none": None,
+        "complex": complex(idx[0], 1),
+        "np_scalar": np.float64(sum(idx)),
+        "big_int": 2**70 + idx[0],
+        "str_list": [str(i) for i in idx],
+    }
+
+
+# --------------------------------------------------------------------------- comparison
+def _tensor_bits(t):
+    t = t.detach().contiguous().reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.view(torch.uint8)
+
+
+def assert_same(a, b, path="out"):
+    """Recursive equality: exact type, dtype, shape and bit-identical values (so NaN == NaN and
+    -0.0 != 0.0), container types (tuple/list/dict/namedtuple/OrderedDict) and key order.
+    `a` is torch's output, `b` shmloader's."""
+    assert type(a) is type(b), f"{path}: type {type(a).__name__} (torch) != {type(b).__name__} (shm)"
+    if isinstance(a, type):
+        assert a is b, f"{path}: {a.__name__} (torch) != {b.__name__} (shm)"
+        return
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{path}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        assert a.layout == b.layout, f"{path}: layout {a.layout} != {b.layout}"
+        assert a.device == b.device, f"{path}: device {a.device} != {b.device}"
+        assert a.requires_grad == b.requires_grad, f"{path}: requires_grad differs"
+        if a.layout != torch.strided:
+            a, b = a.to_dense(), b.to_dense()
+        elif a.is_contiguous():
+            assert b.is_contiguous(), f"{path}: torch's tensor is contiguous, shm's is not"
+        assert torch.equal(_tensor_bits(a), _tensor_bits(b)), (
+            f"{path}: values differ\n torch: {a}\n shm:   {b}"
+        )
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
+        assert a.flags.writeable == b.flags.writeable, f"{path}: writeable flag differs"
+        assert a.tobytes() == b.tobytes(), f"{path}: values differ\n torch: {a!r}\n shm:   {b!r}"
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a.tobytes() == b.tobytes(), f"{path}: {a!r} != {b!r}"
+    elif isinstance(a, (float, complex)):
+        assert repr(a) == repr(b), f"{path}: {a!r} != {b!r}"  # NaN-aware, sign-of-zero-aware
+    elif isinstance(a, (str, bytes, int, type(None), frozenset, set)):
+        assert a == b, f"{path}: {a!r} != {b!r}"
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for k, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{k}]")
+    elif isinstance(a, Mapping):
+        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif hasattr(a, "__dict__"):
+        assert_same(vars(a), vars(b), f"{path}.__dict__")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def canon(x):
+    """A hashable, exact description of a batch (type, dtype, shape, bytes), for multiset compare."""
+    if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:
+            x = x.to_dense()
+        return ("T", str(x.dtype), tuple(x.shape), bytes(_tensor_bits(x).numpy()))
+    if isinstance(x, np.ndarray):
+        return ("N", str(x.dtype), x.shape, x.tobytes())
+    if isinstance(x, np.generic):
+        return ("G", str(x.dtype), x.tobytes())
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, tuple(canon(v) for v in x))
+    if isinstance(x, Mapping):
+        return (type(x).__name__, tuple((k, canon(v)) for k, v in x.items()))
+    if isinstance(x, float):
+        return ("float", repr(x))
+    return (type(x).__name__, repr(x))

@@ -1,0 +1,751 @@
+"""One body of behaviour scenarios, each run through torch's DataLoader and through
+shmloader.DataLoader with the same seeds; the outputs must be identical (DESIGN.md, contract 1).
+
+Every scenario reseeds `random`, torch and numpy before each of the two runs, builds a fresh
+dataset (and fresh generators/samplers via `Fresh`), iterates the requested number of epochs while
+keeping every batch alive (list(loader)), and records len(loader), the batches, the state of the
+main process's global RNGs afterwards (same draws consumed) and the warnings torch emitted.
+"""
+import collections
+import functools
+import gc
+import inspect
+import io
+import multiprocessing
+import os
+import pickle
+import random
+import re
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from tests import datasets as D
+from shmloader import DataLoader as ShmDataLoader
+
+TorchDataLoader = tud.DataLoader
+SEED = 20240611
+NCPU = len(os.sched_getaffinity(0))
+
+
+# --------------------------------------------------------------------------- harness
+class Fresh:
+    """A constructor argument that must be built anew for each run (generator, stateful sampler)."""
+
+    def __init__(self, make):
+        self.make = make
+
+
+def seed_all(seed):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _norm_warning(msg):
+    return re.sub(r"0x[0-9a-fA-F]+", "0x?", msg)
+
+
+Result = collections.namedtuple("Result", "length epochs rng_after warnings")
+
+
+def forget(e):
+    """Drop an exception's traceback. A loader's exception traceback forms a reference cycle
+    with the iterator's frames; left to the cyclic GC, the iterator may then be finalized inside
+    a later loader's freshly forked worker (torch's __del__ then stalls that worker for seconds).
+    Test harness hygiene, applied to both loaders alike."""
+    e.__traceback__ = None
+
+
+def safe_len(loader):
+    try:
+        return len(loader)
+    except Exception as e:  # noqa: BLE001 - the exception itself is what we compare
+        forget(e)
+        return ("raised", type(e), str(e))
+
+
+def run(cls, make_dataset, *, epochs=1, seed=SEED, on_epoch=None, **kw):
+    seed_all(seed)
+    kw = {k: (v.make() if isinstance(v, Fresh) else v) for k, v in kw.items()}
+    dataset = make_dataset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = cls(dataset, **kw)
+        length = safe_len(loader)
+        out = []
+        for epoch in range(epochs):
+            if on_epoch is not None:
+                on_epoch(loader, epoch)
+            out.append(list(loader))
+        del loader
+    rng_after = (random.random(), np.random.rand(), torch.rand(2))
+    # C++ TORCH_WARN_ONCE warnings ("Triggered internally at ...") fire once per process, so
+    # whichever loader runs second cannot see them: not comparable.
+    warns = [(w.category, _norm_warning(str(w.message))) for w in caught
+             if "Triggered internally" not in str(w.message)]
+    return Result(length, out, rng_after, warns)
+
+
+def both(make_dataset, **kw):
+    return run(TorchDataLoader, make_dataset, **kw), run(ShmDataLoader, make_dataset, **kw)
+
+
+def assert_results_same(t, s, ordered=True):
+    assert t.length == s.length, f"len(loader): torch {t.length} != shm {s.length}"
+    assert len(t.epochs) == len(s.epochs)
+    for e, (te, se) in enumerate(zip(t.epochs, s.epochs, strict=True)):
+        assert len(te) == len(se), f"epoch {e}: torch yielded {len(te)} batches, shm {len(se)}"
+        if ordered:
+            for b, (x, y) in enumerate(zip(te, se, strict=True)):
+                D.assert_same(x, y, f"epoch{e}.batch{b}")
+        else:
+            tc = collections.Counter(D.canon(x) for x in te)
+            sc = collections.Counter(D.canon(y) for y in se)
+            assert tc == sc, f"epoch {e}: batches differ as multisets"
+    D.assert_same(t.rng_after, s.rng_after, "main-process RNG state after iterating")
+    missing = list((collections.Counter(t.warnings) - collections.Counter(s.warnings)).elements())
+    assert not missing, f"warnings torch emitted but shm did not: {missing}"
+
+
+def check(make_dataset, ordered=True, **kw):
+    t, s = both(make_dataset, **kw)
+    assert_results_same(t, s, ordered=ordered)
+    return t, s
+
+
+def gen(seed):
+    return Fresh(lambda: torch.Generator().manual_seed(seed))
+
+
+P = functools.partial
+W2 = dict(num_workers=2)
+
+
+# --------------------------------------------------------------------------- the scenario grid
+# id -> (dataset factory, loader kwargs incl. `epochs`/`on_epoch`)
+SCENARIOS = {
+    # map-style, sequential, batching
+    "map-bs4-w2": (P(D.IndexMap, 20), dict(batch_size=4, **W2)),
+    "map-bs3-droplast-w2": (P(D.IndexMap, 20), dict(batch_size=3, drop_last=True, **W2)),
+    "map-bs3-keeplast-w2": (P(D.IndexMap, 20), dict(batch_size=3, drop_last=False, **W2)),
+    "map-bs3-w0": (P(D.IndexMap, 20), dict(batch_size=3)),
+    "map-bs3-droplast-w0": (P(D.IndexMap, 20), dict(batch_size=3, drop_last=True)),
+    "map-bs3-w1": (P(D.IndexMap, 20), dict(batch_size=3, num_workers=1)),
+    "map-bs2-w3": (P(D.IndexMap, 13), dict(batch_size=2, num_workers=3)),
+    "map-default-bs-w2": (P(D.IndexMap, 7), dict(**W2)),
+    "map-empty-w2": (P(D.IndexMap, 0), dict(batch_size=4, **W2)),
+    "map-empty-w0": (P(D.IndexMap, 0), dict(batch_size=4)),
+    "map-fewer-items-than-workers": (P(D.IndexMap, 1), dict(batch_size=4, **W2)),
+    "map-bs-larger-than-ds-droplast": (P(D.IndexMap, 3), dict(batch_size=4, drop_last=True, **W2)),
+    # shuffle, generator, worker seeds, get_worker_info()
+    "rng-shuffle-global-w2": (P(D.RNGMap, 16), dict(batch_size=4, shuffle=True, epochs=2, **W2)),
+    "rng-shuffle-generator-w2": (
+        P(D.RNGMap, 16), dict(batch_size=4, shuffle=True, generator=gen(7), epochs=2, **W2)),
+    "rng-shuffle-w0": (P(D.RNGMap, 12), dict(batch_size=4, shuffle=True, epochs=2)),
+    "rng-shuffle-generator-w0": (
+        P(D.RNGMap, 12), dict(batch_size=4, shuffle=True, generator=gen(3), epochs=2)),
+    "rng-noshuffle-generator-w2": (P(D.RNGMap, 12), dict(batch_size=3, generator=gen(11), **W2)),
+    "rng-w1": (P(D.RNGMap, 8), dict(batch_size=2, num_workers=1)),
+    "rng-w3": (P(D.RNGMap, 14), dict(batch_size=2, num_workers=3)),
+    # custom samplers / batch samplers
+    "sampler-list": (P(D.IndexMap, 20), dict(batch_size=2, sampler=[7, 3, 3, 0, 19], **W2)),
+    "sampler-reverse": (P(D.IndexMap, 11), dict(batch_size=3, sampler=D.ReverseSampler(11), **W2)),
+    "sampler-random-generator": (
+        P(D.RNGMap, 12),
+        dict(batch_size=5, sampler=Fresh(lambda: tud.RandomSampler(
+            range(12), generator=torch.Generator().manual_seed(5))), epochs=2, **W2)),
+    "sampler-random-replacement-global": (
+        P(D.IndexMap, 10),
+        dict(batch_size=4, sampler=Fresh(lambda: tud.RandomSampler(
+            range(10), replacement=True, num_samples=15)), epochs=2, **W2)),
+    "sampler-weighted-global": (
+        P(D.RNGMap, 10),
+        dict(batch_size=3, sampler=tud.WeightedRandomSampler(
+            [0.1, 0.5, 1, 2, 0.3, 0.3, 4, 0.01, 1, 1], 13, replacement=True), **W2)),
+    "sampler-subset-generator": (
+        P(D.IndexMap, 20),
+        dict(batch_size=2, sampler=Fresh(lambda: tud.SubsetRandomSampler(
+            [1, 4, 9, 16, 17], generator=torch.Generator().manual_seed(2))), **W2)),
+    "batch-sampler-lists": (
+        P(D.IndexMap, 20), dict(batch_sampler=[[0, 1], [5], [2, 3, 4], [19, 18, 17, 16]], **W2)),
+    "batch-sampler-obj-droplast": (
+        P(D.IndexMap, 20),
+        dict(batch_sampler=tud.BatchSampler(tud.SequentialSampler(range(20)), 6, True), **W2)),
+    "batch-sampler-chunks-w0": (P(D.IndexMap, 10), dict(batch_sampler=D.ChunkBatchSampler(10))),
+    "batch-sampler-chunks-w2": (P(D.RNGMap, 10), dict(batch_sampler=D.ChunkBatchSampler(10), **W2)),
+    # batch_size=None (no auto-collation: default_convert per sample)
+    "nobatch-rich-w2": (P(D.RichMap, 6), dict(batch_size=None, **W2)),
+    "nobatch-rich-w0": (P(D.RichMap, 6), dict(batch_size=None)),
+    "nobatch-shuffle-generator-w2": (
+        P(D.RNGMap, 8), dict(batch_size=None, shuffle=True, generator=gen(1), **W2)),
+    "nobatch-sampler-w2": (P(D.IndexMap, 9), dict(batch_size=None, sampler=[8, 0, 4], **W2)),
+    # custom collate_fn
+    "collate-numpy-w2": (P(D.IndexMap, 10), dict(batch_size=3, collate_fn=D.numpy_collate, **W2)),
+    "collate-numpy-w0": (P(D.IndexMap, 10), dict(batch_size=3, collate_fn=D.numpy_collate)),
+    "collate-dict-w2": (P(D.RichMap, 8), dict(batch_size=3, collate_fn=D.dict_collate, **W2)),
+    "collate-object-w2": (P(D.IndexMap, 8), dict(batch_size=3, collate_fn=D.object_collate, **W2)),
+    "collate-identity-growing-w2": (
+        P(D.GrowingMap, 12), dict(batch_size=2, collate_fn=D.identity_collate, **W2)),
+    "collate-nobatch-identity-w2": (
+        P(D.IndexMap, 6), dict(batch_size=None, collate_fn=D.identity_collate, **W2)),
+    # sample leaf kinds
+    "rich-bs4-w2": (P(D.RichMap, 8), dict(batch_size=4, **W2)),
+    "rich-bs3-w0": (P(D.RichMap, 7), dict(batch_size=3)),
+    "getitems-w2": (P(D.GetItemsMap, 10), dict(batch_size=4, **W2)),
+    "getitems-w0": (P(D.GetItemsMap, 10), dict(batch_size=4)),
+    "getitems-nobatch-w2": (P(D.GetItemsMap, 5), dict(batch_size=None, **W2)),
+    "growing-nobatch-w2": (P(D.GrowingMap, 12), dict(batch_size=None, **W2)),
+    "growing-bs1-w2": (P(D.GrowingMap, 12), dict(batch_size=1, **W2)),
+    "sparse-nobatch-w2": (P(D.SparseMap, 6), dict(batch_size=None, **W2)),
+    # worker_init_fn
+    "init-mark-w2": (P(D.WorkerStateMap, 12), dict(batch_size=3, worker_init_fn=D.mark_init_fn, **W2)),
+    "init-mark-w0": (P(D.WorkerStateMap, 12), dict(batch_size=3, worker_init_fn=D.mark_init_fn)),
+    "init-reseed-w2": (
+        P(D.RNGMap, 12), dict(batch_size=3, worker_init_fn=D.reseed_init_fn, shuffle=True, **W2)),
+    # prefetch_factor
+    "prefetch1-w2": (P(D.RNGMap, 16), dict(batch_size=2, prefetch_factor=1, **W2)),
+    "prefetch3-w2": (P(D.RNGMap, 16), dict(batch_size=2, prefetch_factor=3, **W2)),
+    "prefetch1-w1": (P(D.IndexMap, 9), dict(batch_size=2, prefetch_factor=1, num_workers=1)),
+    # persistent_workers over several epochs (worker RNG streams continue across epochs)
+    "persistent-rng-3ep": (
+        P(D.RNGMap, 12), dict(batch_size=3, shuffle=True, persistent_workers=True, epochs=3, **W2)),
+    "nonpersistent-rng-3ep": (
+        P(D.RNGMap, 12), dict(batch_size=3, shuffle=True, persistent_workers=False, epochs=3, **W2)),
+    "persistent-generator-2ep": (
+        P(D.RNGMap, 12),
+        dict(batch_size=4, shuffle=True, generator=gen(9), persistent_workers=True, epochs=2, **W2)),
+    "persistent-init-mark-2ep": (
+        P(D.WorkerStateMap, 8),
+        dict(batch_size=3, worker_init_fn=D.mark_init_fn, persistent_workers=True, epochs=2, **W2)),
+    "persistent-iterable-rng-3ep": (
+        P(D.RNGIterable, 9), dict(batch_size=2, persistent_workers=True, epochs=3, **W2)),
+    "persistent-rich-prefetch1-2ep": (
+        P(D.RichMap, 6), dict(batch_size=2, persistent_workers=True, prefetch_factor=1, epochs=2, **W2)),
+    # timeout that never fires does not change anything
+    "timeout-generous-w2": (P(D.RNGMap, 8), dict(batch_size=2, timeout=30.0, **W2)),
+    # pin_memory on a CPU-only machine: same warning, same data
+    "pin-memory-w2": (P(D.RichMap, 6), dict(batch_size=3, pin_memory=True, epochs=2, **W2)),
+    "pin-memory-w0": (P(D.RichMap, 4), dict(batch_size=2, pin_memory=True)),
+    "pin-memory-device-w2": (
+        P(D.IndexMap, 6), dict(batch_size=2, pin_memory=True, pin_memory_device="cpu", **W2)),
+    "pin-memory-persistent-2ep": (
+        P(D.IndexMap, 6), dict(batch_size=2, pin_memory=True, persistent_workers=True, epochs=2, **W2)),
+    # iterable-style datasets: sharding via get_worker_info(), uneven shards, drop_last per worker
+    "iter-bs3-w2": (P(D.ShardedIterable, 11), dict(batch_size=3, **W2)),
+    "iter-bs3-droplast-w2": (P(D.ShardedIterable, 11), dict(batch_size=3, drop_last=True, **W2)),
+    "iter-bs2-w3-uneven": (P(D.ShardedIterable, 10), dict(batch_size=2, num_workers=3)),
+    "iter-bs3-w0": (P(D.ShardedIterable, 11), dict(batch_size=3)),
+    "iter-nobatch-w2": (P(D.ShardedIterable, 7), dict(batch_size=None, **W2)),
+    "iter-nobatch-w0": (P(D.ShardedIterable, 7), dict(batch_size=None)),
+    "iter-unsharded-duplicates-w2": (P(D.UnshardedIterable, 5), dict(batch_size=2, **W2)),
+    "iter-empty-w2": (P(D.ShardedIterable, 0), dict(batch_size=2, **W2)),
+    "iter-one-item-w2": (P(D.ShardedIterable, 1), dict(batch_size=2, **W2)),
+    "iter-rng-w2": (P(D.RNGIterable, 10), dict(batch_size=3, **W2)),
+    "iter-rng-generator-w2": (P(D.RNGIterable, 10), dict(batch_size=3, generator=gen(4), **W2)),
+    "iter-rich-w2": (P(D.RichIterable, 8), dict(batch_size=3, **W2)),
+    "iter-len-w2": (P(D.LenIterable, 11), dict(batch_size=3, **W2)),
+    "iter-len-droplast-w2": (P(D.LenIterable, 11), dict(batch_size=3, drop_last=True, **W2)),
+    "iter-len-lying-w2": (P(D.LyingLenIterable, 10), dict(batch_size=2, **W2)),
+    "iter-len-lying-w0": (P(D.LyingLenIterable, 10), dict(batch_size=2)),
+    "iter-shard-init-fn-w2": (P(D.RangeIterable, 3, 20), dict(batch_size=4, worker_init_fn=D.shard_init_fn, **W2)),
+    "iter-shard-init-fn-w3": (P(D.RangeIterable, 3, 20), dict(batch_size=4, worker_init_fn=D.shard_init_fn, num_workers=3)),
+    "iter-collate-identity-w2": (P(D.ShardedIterable, 9), dict(batch_size=2, collate_fn=D.identity_collate, **W2)),
+    "iter-prefetch3-w2": (P(D.ShardedIterable, 15), dict(batch_size=2, prefetch_factor=3, **W2)),
+    # in_order=False with a single worker: order is still identical
+    "unordered-w1-map": (P(D.JitterMap, 17), dict(batch_size=2, in_order=False, num_workers=1)),
+    "unordered-w1-iter": (P(D.ShardedIterable, 9), dict(batch_size=2, in_order=False, num_workers=1)),
+    "unordered-w0": (P(D.IndexMap, 9), dict(batch_size=2, in_order=False)),
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_same_output(name):
+    make_dataset, kw = SCENARIOS[name]
+    check(make_dataset, **kw)
+
+
+# in_order=False with several workers: same batches, compared as multisets (the order, and which
+# worker gets which batch, depend on timing, in torch too)
+@pytest.mark.parametrize(
+    "make_dataset, kw",
+    [
+        pytest.param(P(D.JitterMap, 24), dict(batch_size=2), id="map"),
+        # (no RNG-drawing dataset here: with in_order=False torch itself assigns batches to the
+        # least-busy worker, so which worker's RNG a sample draws from depends on timing)
+        pytest.param(P(D.IndexMap, 12), dict(batch_size=2, shuffle=True, generator=gen(3), epochs=2),
+                     id="shuffle"),
+        pytest.param(P(D.ShardedIterable, 13), dict(batch_size=2), id="iterable"),
+        pytest.param(P(D.JitterMap, 16), dict(batch_size=2, persistent_workers=True, epochs=2),
+                     id="persistent"),
+    ],
+)
+def test_in_order_false_same_multiset(make_dataset, kw):
+    check(make_dataset, ordered=False, in_order=False, num_workers=2, **kw)
+
+
+# --------------------------------------------------------------------------- start methods
+MP_SCENARIOS = {
+    # seeds, get_worker_info(), worker_init_fn, generator, persistent workers
+    "rng-init-persistent": (
+        P(D.RNGMap, 8),
+        dict(batch_size=2, shuffle=True, generator=gen(13), worker_init_fn=D.reseed_init_fn,
+             persistent_workers=True, epochs=2)),
+    # iterable sharding + many leaf kinds
+    "iter-rich": (P(D.RichIterable, 6), dict(batch_size=2)),
+}
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+@pytest.mark.parametrize("name", list(MP_SCENARIOS))
+def test_start_methods(method, name):
+    make_dataset, kw = MP_SCENARIOS[name]
+    check(make_dataset, num_workers=2, multiprocessing_context=method, **kw)
+
+
+def test_start_method_context_object():
+    ctx = multiprocessing.get_context("spawn")
+    check(P(D.WorkerStateMap, 6), batch_size=2, num_workers=2, multiprocessing_context=ctx,
+          worker_init_fn=D.mark_init_fn)
+
+
+# --------------------------------------------------------------------------- batches as objects
+SERIALIZE_CASES = {
+    "tuple-int64-float32": (P(D.IndexMap, 40), dict(batch_size=4, num_workers=2)),
+    "dict-mixed-dtypes": (P(D.RNGMap, 24), dict(batch_size=3, num_workers=2)),
+    "rich": (P(D.RichMap, 16), dict(batch_size=2, num_workers=2)),
+    "growing-nobatch": (P(D.GrowingMap, 10), dict(batch_size=None, num_workers=2)),
+}
+
+
+def _serialize(batch, how):
+    if how == "torch.save":
+        buf = io.BytesIO()
+        torch.save(batch, buf)
+        return buf.getvalue(), lambda b: torch.load(io.BytesIO(b), weights_only=False)
+    data = pickle.dumps(batch)
+    return data, pickle.loads
+
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle"])
+@pytest.mark.parametrize("name", list(SERIALIZE_CASES))
+def test_batches_serialize_like_torch(name, how):
+    """Users torch.save / pickle batches (caches, debugging, handing them to other processes).
+    Every batch must round-trip to the same value as torch's, and its serialized size must not be
+    far above torch's (a leaf must not drag a whole slot's bytes along)."""
+    make_dataset, kw = SERIALIZE_CASES[name]
+    t = run(TorchDataLoader, make_dataset, **kw).epochs[0]
+    s = run(ShmDataLoader, make_dataset, **kw).epochs[0]
+    assert len(t) == len(s)
+    for k, (tb, sb) in enumerate(zip(t, s, strict=True)):
+        t_bytes, load = _serialize(tb, how)
+        try:
+            s_bytes, _ = _serialize(sb, how)
+        except Exception as e:  # noqa: BLE001
+            forget(e)
+            pytest.fail(f"batch {k}: {how} raised {type(e).__name__}: {e} (torch's batch serializes)")
+        D.assert_same(load(t_bytes), load(s_bytes), f"batch{k} after {how}")
+        assert len(s_bytes) <= 2 * len(t_bytes) + 1024, (
+            f"batch {k}: {how} wrote {len(s_bytes)} bytes, torch's batch {len(t_bytes)}")
+
+
+def _grow_in_place(cls):
+    """resize_ one leaf of each batch to 8x its size and fill it; record what happened and whether
+    the batch's other leaf, and every other batch, kept its values."""
+    seed_all(SEED)
+    out = list(cls(D.IndexMap(40), batch_size=4, num_workers=2))
+    before = [(i.clone(), x.clone()) for i, x in out]
+    events = []
+    for k, (idx, x) in enumerate(out):
+        try:
+            x.resize_(x.numel() * 8).fill_(-1)
+            events.append(("resized", tuple(x.shape)))
+        except Exception as e:  # noqa: BLE001
+            events.append(("raised", type(e), str(e)))
+            forget(e)
+        assert torch.equal(idx, before[k][0]), f"batch {k}: growing one leaf overwrote its sibling"
+    for k, (idx, _) in enumerate(out):
+        assert torch.equal(idx, before[k][0]), f"batch {k}: changed by an in-place op on another batch"
+    return events
+
+
+def test_resizing_a_leaf_in_place_behaves_like_torch():
+    """In torch a batch leaf owns its storage: resize_ beyond it raises. A leaf that views a
+    bigger shared storage must not silently grow over its neighbours' bytes."""
+    D.assert_same(_grow_in_place(TorchDataLoader), _grow_in_place(ShmDataLoader), "resize_ events")
+
+
+# --------------------------------------------------------------------------- RNG draw order
+def test_main_process_draws_base_seed_before_sampler():
+    """The loader must consume the global torch RNG exactly like torch: base seed first, then the
+    sampler's seed, per epoch. Checked through the samples (worker seeds, shuffle order) and the
+    global RNG state afterwards (check() compares both)."""
+    t, s = check(P(D.RNGMap, 10), batch_size=5, shuffle=True, num_workers=2, epochs=2)
+    # Guard against a vacuous pass: the two epochs really shuffled and seeded differently.
+    e0 = torch.cat([b["index"] for b in t.epochs[0]]).tolist()
+    e1 = torch.cat([b["index"] for b in t.epochs[1]]).tolist()
+    assert e0 != e1 and sorted(e0) == list(range(10))
+    assert t.epochs[0][0]["seed"][0] != t.epochs[1][0]["seed"][0]
+
+
+def test_worker_info_and_seed_fields():
+    t, s = check(P(D.RNGMap, 8), batch_size=2, num_workers=2)
+    for b, batch in enumerate(s.epochs[0]):
+        assert batch["wid"].tolist() == [b % 2] * 2  # round-robin from worker 0
+        assert batch["num_workers"].tolist() == [2, 2]
+        assert batch["same_dataset"].tolist() == [True, True]
+        assert batch["threads"].tolist() == [1, 1]
+        assert batch["seed"] == batch["initial_seed"]
+
+
+# --------------------------------------------------------------------------- epochs with a break
+@pytest.mark.parametrize("persistent", [False, True])
+def test_partial_epoch_then_full_epoch(persistent):
+    dataset = P(D.IndexMap, 24) if persistent else P(D.RNGMap, 24)
+
+    def go(cls):
+        seed_all(SEED)
+        loader = cls(dataset(), batch_size=2, shuffle=True, num_workers=2,
+                     persistent_workers=persistent)
+        it = iter(loader)
+        first = [next(it), next(it)]
+        del it
+        second = list(loader)
+        third = list(loader)
+        return first, second, third, torch.rand(2)
+
+    D.assert_same(go(TorchDataLoader), go(ShmDataLoader))
+
+
+# --------------------------------------------------------------------------- prefetch bound
+@pytest.mark.parametrize("prefetch_factor", [1, 3])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_prefetch_bound(prefetch_factor, persistent):
+    """At most prefetch_factor * num_workers batches are dispatched (pulled from the batch
+    sampler) and not yet yielded, at every step, over two epochs."""
+    nw, n, bs = 2, 40, 2
+    bound = prefetch_factor * nw
+
+    def go(cls):
+        sampler = D.CountingBatchSampler(n, bs)
+        loader = cls(D.IndexMap(n), batch_sampler=sampler, num_workers=nw,
+                     prefetch_factor=prefetch_factor, persistent_workers=persistent)
+        trace, batches = [], []
+        for _ in range(2):
+            start = sampler.pulled
+            for k, batch in enumerate(loader, 1):
+                batches.append(batch)
+                trace.append(sampler.pulled - start - k)
+        return trace, batches
+
+    t_trace, t_batches = go(TorchDataLoader)
+    s_trace, s_batches = go(ShmDataLoader)
+    D.assert_same(t_batches, s_batches)
+    assert max(t_trace) <= bound  # sanity: torch obeys the bound it defines
+    assert max(s_trace) <= bound, (
+        f"shm had up to {max(s_trace)} batches outstanding (bound {bound}); "
+        f"per-step outstanding shm={s_trace} torch={t_trace}")
+
+
+# --------------------------------------------------------------------------- worker exceptions
+def exc_summary(e, workers):
+    """Type + message. From a worker the message embeds a traceback whose frames are the
+    loader's own code, so compare its header, its last line and that the dataset frame is in it."""
+    msg = str(e)
+    if workers == 0:
+        return type(e), msg
+    lines = [ln for ln in msg.splitlines() if ln.strip()]
+    return type(e), lines[0], lines[1], lines[-1]
+
+
+def _run_failing(cls, *, num_workers, persistent, exc, mode, context=None):
+    seed_all(SEED)
+    ds = D.FailingMap(12, bad=(3, 8), exc=exc)
+    sampler = D.SettableSampler(range(12))
+    kw = dict(num_workers=num_workers, persistent_workers=persistent) if num_workers else {}
+    if context is not None:
+        kw["multiprocessing_context"] = context
+    loader = cls(ds, batch_size=2, sampler=sampler, **kw)
+    events = []
+    it = iter(loader)
+    for _ in range(20):  # bounded: a loader that re-raises forever must not hang the test
+        try:
+            events.append(("batch", next(it)))
+        except StopIteration:
+            events.append(("stop",))
+            break
+        except Exception as e:  # noqa: BLE001
+            events.append(("exc",) + exc_summary(e, num_workers))
+            if num_workers:
+                assert "__getitem__" in str(e), "worker traceback missing the dataset frame"
+            forget(e)
+            if mode == "abandon":
+                break
+    del it
+    gc.collect()
+    sampler.indices = [i for i in range(12) if i not in ds.bad]
+    events.append(("next-epoch", list(loader)))
+    return events
+
+
+@pytest.mark.parametrize("exc", ["ValueError", "KeyError", "TwoArgError"])
+@pytest.mark.parametrize("mode", ["abandon", "continue"])
+@pytest.mark.parametrize(
+    "num_workers, persistent", [(0, False), (2, False), (2, True)], ids=["w0", "w2", "w2-persistent"])
+def test_worker_exception(exc, mode, num_workers, persistent):
+    t = _run_failing(TorchDataLoader, num_workers=num_workers, persistent=persistent, exc=exc, mode=mode)
+    s = _run_failing(ShmDataLoader, num_workers=num_workers, persistent=persistent, exc=exc, mode=mode)
+    assert any(ev[0] == "exc" for ev in t)
+    D.assert_same(t, s, "events")
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_worker_exception_start_methods(method):
+    kw = dict(num_workers=2, persistent=True, exc="KeyError", mode="continue", context=method)
+    D.assert_same(_run_failing(TorchDataLoader, **kw), _run_failing(ShmDataLoader, **kw), "events")
+
+
+def _run_until_error(cls, make_dataset, **kw):
+    seed_all(SEED)
+    loader = cls(make_dataset(), **kw)
+    got = []
+    try:
+        for batch in loader:
+            got.append(batch)
+            if len(got) > 50:
+                break
+    except Exception as e:  # noqa: BLE001
+        got.append(exc_summary(e, kw.get("num_workers", 0)))
+        forget(e)
+    del loader
+    gc.collect()
+    return got
+
+
+@pytest.mark.parametrize(
+    "make_dataset, kw",
+    [
+        pytest.param(P(D.NoneMap, 10), dict(batch_size=2, num_workers=2), id="collate-error-w2"),
+        pytest.param(P(D.NoneMap, 10), dict(batch_size=2), id="collate-error-w0"),
+        pytest.param(P(D.FailingIterable, 12), dict(batch_size=None, num_workers=2), id="iterable-w2"),
+        pytest.param(P(D.IndexMap, 8), dict(batch_size=2, num_workers=2,
+                                            worker_init_fn=D.failing_init_fn), id="init-fn-w2"),
+    ],
+)
+def test_error_surfaces_like_torch(make_dataset, kw):
+    t = _run_until_error(TorchDataLoader, make_dataset, **kw)
+    s = _run_until_error(ShmDataLoader, make_dataset, **kw)
+    assert isinstance(t[-1], tuple) and isinstance(t[-1][0], type)
+    D.assert_same(t, s, "until-error")
+
+
+# --------------------------------------------------------------------------- timeout
+def _run_timeout(cls):
+    seed_all(SEED)
+    loader = cls(D.SlowMap(6, slow=(4,), delay=3.0), batch_size=2, num_workers=2, timeout=1.0)
+    got = []
+    try:
+        for batch in loader:
+            got.append(batch)
+    except Exception as e:  # noqa: BLE001
+        got.append((type(e), str(e)))
+        forget(e)
+    del loader
+    gc.collect()
+    return got
+
+
+def test_timeout_raises_like_torch():
+    t = _run_timeout(TorchDataLoader)
+    s = _run_timeout(ShmDataLoader)
+    assert t[-1] == (RuntimeError, "DataLoader timed out after 1.0 seconds")
+    D.assert_same(t, s, "timeout")
+
+
+def test_timeout_with_num_workers_0_fails_like_torch():
+    def go(cls):
+        loader = cls(D.IndexMap(4), timeout=1.0)
+        try:
+            iter(loader)
+        except Exception as e:  # noqa: BLE001
+            forget(e)
+            return type(e), str(e)
+        return None
+
+    assert go(TorchDataLoader) == go(ShmDataLoader)
+
+
+# --------------------------------------------------------------------------- constructor contract
+def test_is_a_torch_dataloader():
+    loader = ShmDataLoader(D.IndexMap(4), batch_size=2, num_workers=2)
+    assert isinstance(loader, TorchDataLoader)
+
+
+def test_signature_matches_torch():
+    tp = inspect.signature(TorchDataLoader.__init__).parameters
+    sp = dict(inspect.signature(ShmDataLoader.__init__).parameters)
+    extra = {k: sp.pop(k) for k in ("slot_bytes", "num_slots")}
+    assert [(p.name, p.kind, p.default) for p in tp.values()] == \
+           [(p.name, p.kind, p.default) for p in sp.values()]
+    for p in extra.values():
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is None
+
+
+_SAMPLER = tud.SequentialSampler(range(5))
+_BATCH_SAMPLER = tud.BatchSampler(_SAMPLER, 2, False)
+
+INVALID = {
+    "num_workers-negative": (P(D.IndexMap, 5), dict(num_workers=-1)),
+    "timeout-negative": (P(D.IndexMap, 5), dict(timeout=-1)),
+    "prefetch-without-workers": (P(D.IndexMap, 5), dict(prefetch_factor=2)),
+    "prefetch-negative": (P(D.IndexMap, 5), dict(num_workers=2, prefetch_factor=-1)),
+    "persistent-without-workers": (P(D.IndexMap, 5), dict(persistent_workers=True)),
+    "iterable-shuffle": (P(D.ShardedIterable, 5), dict(shuffle=True)),
+    "iterable-sampler": (P(D.ShardedIterable, 5), dict(sampler=_SAMPLER)),
+    "iterable-batch-sampler": (P(D.ShardedIterable, 5), dict(batch_sampler=_BATCH_SAMPLER)),
+    "sampler-and-shuffle": (P(D.IndexMap, 5), dict(sampler=_SAMPLER, shuffle=True)),
+    "batch-sampler-and-batch-size": (P(D.IndexMap, 5), dict(batch_sampler=_BATCH_SAMPLER, batch_size=2)),
+    "batch-sampler-and-shuffle": (P(D.IndexMap, 5), dict(batch_sampler=_BATCH_SAMPLER, shuffle=True)),
+    "batch-sampler-and-sampler": (P(D.IndexMap, 5), dict(batch_sampler=_BATCH_SAMPLER, sampler=_SAMPLER)),
+    "batch-sampler-and-drop-last": (P(D.IndexMap, 5), dict(batch_sampler=_BATCH_SAMPLER, drop_last=True)),
+    "batch-size-none-drop-last": (P(D.IndexMap, 5), dict(batch_size=None, drop_last=True)),
+    "batch-size-zero": (P(D.IndexMap, 5), dict(batch_size=0)),
+    "batch-size-negative": (P(D.IndexMap, 5), dict(batch_size=-3)),
+    "batch-size-float": (P(D.IndexMap, 5), dict(batch_size=2.0)),
+    "drop-last-not-bool": (P(D.IndexMap, 5), dict(drop_last="yes")),
+    "mp-context-bogus": (P(D.IndexMap, 5), dict(num_workers=2, multiprocessing_context="bogus")),
+    "mp-context-wrong-type": (P(D.IndexMap, 5), dict(num_workers=2, multiprocessing_context=42)),
+    "mp-context-without-workers": (P(D.IndexMap, 5), dict(multiprocessing_context="fork")),
+    "shuffle-empty-dataset": (P(D.IndexMap, 0), dict(shuffle=True)),
+    "iterable-batch-size-none-drop-last": (P(D.RangeIterable, 0, 3),
+                                           dict(batch_size=None, drop_last=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(INVALID))
+def test_invalid_arguments_raise_like_torch(name):
+    make_dataset, kw = INVALID[name]
+    dataset = make_dataset()
+    results = []
+    for cls in (TorchDataLoader, ShmDataLoader):
+        with pytest.raises(Exception) as info:
+            cls(dataset, **kw)
+        results.append((info.type, str(info.value)))
+    assert results[0] == results[1], f"torch raised {results[0]}, shm raised {results[1]}"
+
+
+@pytest.mark.parametrize("attr", ["batch_size", "sampler", "batch_sampler", "drop_last", "dataset",
+                                  "persistent_workers"])
+def test_setting_frozen_attribute_raises_like_torch(attr):
+    results = []
+    for cls in (TorchDataLoader, ShmDataLoader):
+        loader = cls(D.IndexMap(5), batch_size=2, num_workers=2)
+        with pytest.raises(Exception) as info:
+            setattr(loader, attr, getattr(loader, attr))
+        results.append((info.type, str(info.value)))
+    assert results[0] == results[1]
+
+
+ATTR_CASES = {
+    "default": (P(D.IndexMap, 5), {}),
+    "workers": (P(D.IndexMap, 5), dict(num_workers=2, batch_size=3, drop_last=True)),
+    "shuffle": (P(D.IndexMap, 5), dict(shuffle=True, num_workers=2, prefetch_factor=4,
+                                       persistent_workers=True, timeout=2.5, in_order=False)),
+    "nobatch": (P(D.IndexMap, 5), dict(batch_size=None, pin_memory=True, pin_memory_device="cpu")),
+    "batch-sampler": (P(D.IndexMap, 5), dict(batch_sampler=_BATCH_SAMPLER)),
+    "iterable": (P(D.ShardedIterable, 5), dict(batch_size=2, num_workers=1,
+                                               worker_init_fn=D.mark_init_fn)),
+    "iterable-nobatch": (P(D.ShardedIterable, 5), dict(batch_size=None)),
+    "mp-context": (P(D.IndexMap, 5), dict(num_workers=2, multiprocessing_context="spawn")),
+}
+
+
+@pytest.mark.parametrize("name", list(ATTR_CASES))
+def test_public_attributes_match(name):
+    make_dataset, kw = ATTR_CASES[name]
+    dataset = make_dataset()
+    generator = torch.Generator()
+    t = TorchDataLoader(dataset, generator=generator, **kw)
+    s = ShmDataLoader(dataset, generator=generator, **kw)
+    for attr in ["dataset", "generator", "worker_init_fn", "collate_fn"]:
+        assert getattr(t, attr) is getattr(s, attr), attr
+    for attr in ["batch_size", "drop_last", "num_workers", "prefetch_factor", "pin_memory",
+                 "pin_memory_device", "timeout", "in_order", "persistent_workers",
+                 "_auto_collation", "_dataset_kind"]:
+        assert getattr(t, attr) == getattr(s, attr), attr
+    assert type(t.sampler) is type(s.sampler)
+    assert type(t.batch_sampler) is type(s.batch_sampler)
+    if kw.get("batch_sampler") is not None:
+        assert s.batch_sampler is kw["batch_sampler"]
+    assert type(t.multiprocessing_context) is type(s.multiprocessing_context)
+    assert safe_len(t) == safe_len(s)
+
+
+def test_too_many_workers_warns_like_torch():
+    def go(cls):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cls(D.IndexMap(4), num_workers=NCPU + 1)
+        return [(w.category, str(w.message)) for w in caught if "worker" in str(w.message)]
+
+    t = go(TorchDataLoader)
+    assert t, "torch should warn about more workers than CPUs"
+    assert t == go(ShmDataLoader)
+
+
+# --------------------------------------------------------------------------- len() grid
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(0, 30),
+    batch_size=st.one_of(st.none(), st.integers(1, 12)),
+    drop_last=st.booleans(),
+    shuffle=st.booleans(),
+    iterable=st.booleans(),
+)
+def test_len_and_single_process_output(n, batch_size, drop_last, shuffle, iterable):
+    """num_workers=0 behaves exactly like torch (cheap enough for property testing)."""
+    if batch_size is None:
+        drop_last = False
+    assume(iterable or not (shuffle and n == 0))  # RandomSampler rejects n=0 (see INVALID)
+    if iterable:
+        shuffle = False
+        make = P(D.LenIterable, n)
+    else:
+        make = P(D.RNGMap, n)
+    check(make, batch_size=batch_size, drop_last=drop_last, shuffle=shuffle)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    n=st.integers(0, 13),
+    batch_size=st.integers(1, 5),
+    drop_last=st.booleans(),
+    num_workers=st.integers(1, 3),
+    iterable=st.booleans(),
+)
+def test_multiprocess_grid(n, batch_size, drop_last, num_workers, iterable):
+    assume(iterable or n > 0)  # shuffle=True: RandomSampler rejects n=0 (see INVALID)
+    make = P(D.LenIterable, n) if iterable else P(D.RNGMap, n)
+    check(make, batch_size=batch_size, drop_last=drop_last, num_workers=num_workers,
+          shuffle=not iterable)
+
+
+# --------------------------------------------------------------------------- shm-only knobs
+@pytest.mark.parametrize(
+    "shm_kw",
+    [dict(num_slots=2), dict(slot_bytes=4096), dict(slot_bytes=4096, num_slots=2)],
+    ids=["few-slots", "tiny-slots", "tiny-and-few"],
+)
+def test_slot_knobs_do_not_change_output(shm_kw):
+    """Batches larger than a slot are still delivered whole; a user holding every batch (list())
+    with few slots neither deadlocks nor sees data change."""
+    for make, kw in [(P(D.GrowingMap, 12), dict(batch_size=2, collate_fn=D.identity_collate)),
+                     (P(D.RichMap, 8), dict(batch_size=4))]:
+        t = run(TorchDataLoader, make, num_workers=2, epochs=2, **kw)
+        s = run(P(ShmDataLoader, **shm_kw), make, num_workers=2, epochs=2, **kw)
+        assert_results_same(t, s)
