@@ -209,3 +209,30 @@ def test_unpicklable_batch_is_that_batch_error_not_a_dead_worker():
         next(it)
     with pytest.raises(Exception, match="pickle"):
         next(it)  # the worker lived on and answered the next task too
+
+
+def test_epochs_broken_off_midway_give_every_slot_back():
+    loader = DataLoader(Images(400), batch_size=4, num_workers=2, slot_bytes=SLOT,
+                        persistent_workers=True)
+    expected = _expected(400, 4)
+    for epoch in range(6):
+        for i, batch in enumerate(loader):
+            assert torch.equal(batch, expected[i])
+            if i == epoch:  # leaves tasks and published slots of this epoch behind
+                break
+    assert [torch.equal(b, e) for b, e in zip(loader, expected)] == [True] * 100
+    stats = loader.stats()
+    assert stats.ring_full_batches == 0 and stats.slot_batches == stats.batches
+
+
+def test_non_persistent_iterators_reuse_one_ring():
+    loader = DataLoader(Images(40), batch_size=4, num_workers=2, slot_bytes=SLOT)
+    for _ in range(3):
+        it = iter(loader)
+        next(it)
+        del it  # shut down with tasks in flight
+    ring = loader._shm_options.spare_ring
+    assert ring is not None
+    assert [torch.equal(b, e) for b, e in zip(loader, _expected(40, 4))] == [True] * 10
+    assert loader._shm_options.spare_ring is ring
+    assert loader.stats().ring_full_batches == 0
