@@ -34,6 +34,20 @@ cdef int _check(int rc, str what) except -1:
     return rc
 
 
+ctypedef int (*create_fn)(const char *, uint32_t, uint64_t, shmring_t **) noexcept nogil
+
+
+cdef Ring _create(create_fn create, str where, uint32_t nslots, uint64_t slot_bytes):
+    cdef Ring ring = Ring.__new__(Ring)
+    cdef bytes path = where.encode()
+    cdef const char *cpath = path
+    cdef int rc
+    with nogil:
+        rc = create(cpath, nslots, slot_bytes, &ring._r)
+    _check(rc, f"creating a shared-memory ring at {where} ({nslots} x {slot_bytes} bytes)")
+    return ring
+
+
 cdef class Ring:
     cdef shmring_t *_r
 
@@ -46,26 +60,12 @@ cdef class Ring:
     def create_in(str directory, uint32_t nslots, uint64_t slot_bytes):
         """A new reserved, mapped, prefaulted segment: an unnamed file in the
         tmpfs `directory`."""
-        cdef Ring ring = Ring.__new__(Ring)
-        cdef bytes path = directory.encode()
-        cdef const char *cpath = path
-        cdef int rc
-        with nogil:
-            rc = shmring_create_in(cpath, nslots, slot_bytes, &ring._r)
-        _check(rc, f"creating a shared-memory ring in {directory} ({nslots} x {slot_bytes} bytes)")
-        return ring
+        return _create(shmring_create_in, directory, nslots, slot_bytes)
 
     @staticmethod
     def create_named(str name, uint32_t nslots, uint64_t slot_bytes):
         """As create_in, through shm_open(name), whose name is removed at once."""
-        cdef Ring ring = Ring.__new__(Ring)
-        cdef bytes bname = name.encode()
-        cdef const char *cname = bname
-        cdef int rc
-        with nogil:
-            rc = shmring_create_named(cname, nslots, slot_bytes, &ring._r)
-        _check(rc, f"creating shared-memory ring {name!r} ({nslots} x {slot_bytes} bytes)")
-        return ring
+        return _create(shmring_create_named, name, nslots, slot_bytes)
 
     @staticmethod
     def attach(int fd, int efd):

@@ -14,14 +14,18 @@ from shmloader import _ring
 from shmloader._ring import Ring
 
 
+def _our_names():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("shmloader")}
+
+
 @pytest.fixture(params=["unnamed", "named"])
 def ring(request):
-    before = set(os.listdir("/dev/shm"))
+    before = _our_names()
     if request.param == "unnamed":
         r = Ring.create_in("/dev/shm", 4, 10000)
     else:
         r = Ring.create_named(f"/shmloader-test-{secrets.token_hex(8)}", 4, 10000)
-    assert set(os.listdir("/dev/shm")) == before  # no name left behind
+    assert _our_names() == before  # no name left behind
     return r
 
 
