@@ -12,6 +12,9 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 #define CACHE_LINE 64
 
@@ -321,4 +324,34 @@ int shmring_wait(shmring_t *r, int timeout_ms, struct pollfd *fds, int nfds) {
     }
     for (int i = 0; i < nfds; i++) fds[i].revents = all[i + 1].revents;
     return rc;
+}
+
+void shmring_copy_stream(void *dst, const void *src, uint64_t n) {
+#ifdef __SSE2__
+    char *d = dst;
+    const char *s = src;
+    uint64_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    if (n < 256 || head > n) {
+        memcpy(d, s, n);
+        return;
+    }
+    memcpy(d, s, head);
+    d += head;
+    s += head;
+    n -= head;
+    for (; n >= 64; n -= 64, d += 64, s += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s);
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+    memcpy(d, s, n);
+    _mm_sfence();
+#else
+    memcpy(dst, src, n);
+#endif
 }

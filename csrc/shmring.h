@@ -119,4 +119,11 @@ int shmring_release(shmring_t *r, uint32_t slot);
  * and calls again). */
 int shmring_wait(shmring_t *r, int timeout_ms, struct pollfd *fds, int nfds);
 
+/* Copy `n` bytes with non-temporal stores where the CPU has them (SSE2):
+ * a batch is written once into a slot and read later by another process (or
+ * a DMA engine), so caching it on the way only evicts the working sets of
+ * every process sharing the cache, and each written line would first be read
+ * (read-for-ownership).  The copy is complete and ordered (sfence) on return. */
+void shmring_copy_stream(void *dst, const void *src, uint64_t n);
+
 #endif

@@ -18,6 +18,7 @@ from torch.utils.data._utils.collate import (
 )
 
 from . import _layout
+from ._ring import copy_stream
 
 ALIGN = 64  # cache line; also a multiple of every dtype's itemsize
 
@@ -52,6 +53,20 @@ class Arena:
             self._storage, offset // dtype.itemsize, shape, stride
         )
 
+    def stack(self, batch) -> torch.Tensor:
+        """torch.stack(batch) into the slot.  Rows that are plain contiguous
+        copies of the first one's layout are copied bypassing the cache;
+        anything else (and every error) is torch.stack's."""
+        elem = batch[0]
+        out = self.tensor(elem.dtype, (len(batch), *elem.shape))
+        if not all(_plain_like(t, elem) for t in batch):
+            return torch.stack(batch, 0, out=out)
+        nbytes = elem.nbytes
+        offset = out.storage_offset() * elem.dtype.itemsize
+        for i, t in enumerate(batch):
+            copy_stream(self._memory, offset + i * nbytes, t.data_ptr(), nbytes)
+        return out
+
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() == self._base
 
@@ -80,6 +95,21 @@ class Arena:
         offset = self._alloc(len(meta))
         self._memory.write(offset, meta)
         return offset, len(meta)
+
+
+def _plain_like(t, elem) -> bool:
+    """A row a raw byte copy stacks exactly as torch.stack would."""
+    return (
+        type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and t.device.type == "cpu"
+        and t.dtype == elem.dtype
+        and t.shape == elem.shape
+        and t.is_contiguous()
+        and not t.requires_grad
+        and not t.is_conj()
+        and not t.is_neg()
+    )
 
 
 class Measure:
@@ -124,5 +154,4 @@ class SlotCollate:
         elem = batch[0]
         if not _layout.is_slot_tensor(elem):
             return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-        out = self.arena.tensor(elem.dtype, (len(batch), *elem.shape))
-        return torch.stack(batch, 0, out=out)
+        return self.arena.stack(batch)

@@ -42,3 +42,4 @@ cdef extern from "shmring.h" nogil:
     int shmring_acquire(shmring_t *r, uint32_t *slot, uint64_t *seq, uint64_t *meta_off, uint64_t *meta_len)
     int shmring_release(shmring_t *r, uint32_t slot)
     int shmring_wait(shmring_t *r, int timeout_ms, pollfd *fds, int nfds)
+    void shmring_copy_stream(void *dst, const void *src, uint64_t n)

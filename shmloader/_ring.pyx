@@ -178,6 +178,7 @@ cdef class Ring:
 
 
 @cython.no_gc_clear
+@cython.no_gc_clear
 cdef class SlotMemory:
     """One slot's bytes as a writable buffer; keeps its Ring mapped."""
     cdef readonly Ring ring
@@ -253,3 +254,12 @@ cdef class SlotLease(SlotMemory):
         if not self._released and self.ring is not None:
             self._released = True
             shmring_release(self.ring._r, self.slot)
+
+
+def copy_stream(SlotMemory dst, uint64_t offset, uint64_t src, uint64_t n):
+    """Copy n bytes from address `src` (a CPU tensor's data_ptr()) to
+    `offset` in slot `dst`, bypassing the cache (see shmring_copy_stream)."""
+    if offset > <uint64_t>dst._size or n > <uint64_t>dst._size - offset:
+        raise ValueError(f"{n} bytes at offset {offset} do not fit slot {dst.slot}")
+    with nogil:
+        shmring_copy_stream(dst._data + offset, <const void *>src, n)

@@ -66,3 +66,28 @@ class Sleepy(Dataset):
     def __getitem__(self, i):
         time.sleep(self.seconds)
         return i
+
+
+class Rows(Dataset):
+    """Samples a raw row copy must not be used for: `kind` picks which."""
+
+    def __init__(self, n, kind):
+        self.n = n
+        self.kind = kind
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        base = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + i
+        if self.kind == "transposed":
+            return base.transpose(0, 2)
+        if self.kind == "conj":
+            return torch.complex(base, -base).conj()
+        if self.kind == "grad":
+            return base.requires_grad_()
+        if self.kind == "mixed_dtype":
+            return base.double() if i % 2 else base
+        if self.kind == "mixed_shape":
+            return base if i % 3 else base[:1]
+        return base

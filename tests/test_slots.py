@@ -236,3 +236,33 @@ def test_non_persistent_iterators_reuse_one_ring():
     assert [torch.equal(b, e) for b, e in zip(loader, _expected(40, 4))] == [True] * 10
     assert loader._shm_options.spare_ring is ring
     assert loader.stats().ring_full_batches == 0
+
+
+@pytest.mark.parametrize("kind", ["plain", "transposed", "conj", "grad", "mixed_dtype", "mixed_shape"])
+def test_stacking_into_slot_matches_torch_stack(kind):
+    from tests.datasets_lifecycle import Rows
+
+    def run(cls, **kw):
+        out = []
+        try:
+            for batch in cls(Rows(12, kind), batch_size=4, num_workers=2, **kw):
+                out.append(batch)
+        except Exception as e:  # torch.stack's own error, re-raised from the worker
+            out.append((type(e), str(e).splitlines()[-1]))
+        return out
+
+    if kind == "conj":
+        # torch's DataLoader itself fails to move conj batches between processes
+        # ("DispatchKey Conjugate doesn't correspond to a device"): compare with
+        # torch.stack in this process instead.
+        data = Rows(12, kind)
+        want = [torch.stack([data[i] for i in range(b, b + 4)]) for b in range(0, 12, 4)]
+    else:
+        want = run(torch.utils.data.DataLoader)
+    got = run(DataLoader, slot_bytes=SLOT)
+    assert len(want) == len(got)
+    for w, g in zip(want, got):
+        if isinstance(w, tuple):
+            assert w == g
+        else:
+            assert w.dtype == g.dtype and torch.equal(w.resolve_conj(), g.resolve_conj())
