@@ -88,8 +88,9 @@ class Arena:
         else:
             leaf_ref = leaf
         offset = leaf_ref.storage_offset() * leaf.dtype.itemsize
-        return (_layout.TENSOR, offset, leaf.dtype, tuple(leaf.shape), leaf_ref.stride(),
-                leaf.requires_grad)
+        stride = leaf_ref.stride()
+        return (_layout.TENSOR, offset, leaf.dtype, tuple(leaf.shape), stride,
+                _layout.span_elements(leaf.shape, stride), leaf.requires_grad)
 
     def write_meta(self, meta: bytes) -> tuple[int, int]:
         offset = self._alloc(len(meta))

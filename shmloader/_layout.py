@@ -9,7 +9,7 @@ of the slot.  Which leaves go into the slot, and how, is the placer's business
 (see _arena.py); this module only knows the reference format.
 
 Reference tuples (the pickle's persistent ids):
-    ("t", byte_offset, torch.dtype, shape, stride, requires_grad)
+    ("t", byte_offset, torch.dtype, shape, stride, span in elements, requires_grad)
     ("n", byte_offset, numpy dtype str, shape, strides)
 """
 from __future__ import annotations
@@ -108,8 +108,7 @@ class _RefUnpickler(pickle.Unpickler):
     def persistent_load(self, ref):
         kind = ref[0]
         if kind == TENSOR:
-            _, offset, dtype, shape, stride, requires_grad = ref
-            count = span_elements(shape, stride)
+            _, offset, dtype, shape, stride, count, requires_grad = ref
             if count == 0:
                 tensor = torch.empty(shape, dtype=dtype)
             else:
