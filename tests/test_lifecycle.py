@@ -2,6 +2,7 @@
 timeouts, and that no worker or segment outlives the loader however the main
 process ends.  Anything that could hang runs under a hard timeout."""
 import gc
+import pickle
 import os
 import signal
 import subprocess
@@ -194,3 +195,42 @@ def test_main_process_killed_workers_exit(context, signum):
         proc.wait()
     assert _wait_gone(pids) == []
     assert _our_segments() == []
+
+
+class _Unpicklable(Images):
+    def __init__(self, n):
+        super().__init__(n)
+        self.transform = lambda x: x  # lambdas cannot be pickled for spawn
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_unpicklable_dataset_is_clear_error_and_leaves_nothing(context):
+    loader = DataLoader(_Unpicklable(8), batch_size=4, num_workers=2,
+                        multiprocessing_context=context)
+    children = set(_children())
+    with pytest.raises((TypeError, AttributeError, pickle.PicklingError)) as e:
+        iter(loader)
+    message = str(e.value)
+    assert "cannot be pickled" in message and f"multiprocessing_context={context!r}" in message
+    assert "multiprocessing_context='fork'" in message
+    gc.collect()
+    assert _wait_gone(list(set(_children()) - children)) == []
+
+
+def _children():
+    """This process's children, less multiprocessing's long-lived helpers
+    (the forkserver and the resource tracker start once and stay)."""
+    me = str(os.getpid())
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = f.read().rsplit(")", 1)[1].split()[1]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            helper = b"forkserver" in cmdline or b"resource_tracker" in cmdline
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if parent == me and not helper:
+            found.append(int(pid))
+    return found
