@@ -1,5 +1,5 @@
 """shmloader: torch's DataLoader, with batches moved through shared-memory slots."""
-from ._iterator import SharedMemoryError
+from ._rings import SharedMemoryError
 from ._pool import WorkerDied
 from ._stats import LoaderStats
 from .dataloader import DataLoader

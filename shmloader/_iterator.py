@@ -11,11 +11,9 @@ earlier epoch (persistent workers) are recognised and dropped.
 """
 from __future__ import annotations
 
-import errno
 import functools
 import itertools
 import os
-import secrets
 import sys
 import time
 import warnings
@@ -33,10 +31,9 @@ from torch.utils.data.dataloader import (
 
 from . import _layout
 from ._pool import WorkerDied, WorkerPool
-from ._ring import Ring
+from ._rings import create_ring
 from ._worker import MEASURE, NO_SLOT
 
-SHM_DIR = "/dev/shm"
 # Slots beyond the prefetch_factor * num_workers batches in flight: the batch
 # being yielded, the one the loop still holds, and two a user may keep (the
 # last batch of a previous loop, one kept for logging) before any batch has
@@ -53,47 +50,6 @@ def _warn(message: str) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, stacklevel=level)
-
-
-class SharedMemoryError(RuntimeError):
-    """The ring does not fit in shared memory."""
-
-
-def _ring_bytes_message(nslots, slot_bytes, cause) -> str:
-    total = nslots * slot_bytes
-    try:
-        st = os.statvfs(SHM_DIR)
-        free = f"{st.f_bavail * st.f_frsize} bytes are free in {SHM_DIR}"
-    except OSError:
-        free = f"{SHM_DIR} cannot be inspected"
-    return (
-        f"shmloader needs {total} bytes of shared memory for its ring "
-        f"({nslots} slots x {slot_bytes} bytes) but {free} ({cause}). Enlarge {SHM_DIR} "
-        "(docker: --shm-size), or lower num_slots, slot_bytes or the batch size."
-    )
-
-
-def create_ring(nslots: int, slot_bytes: int) -> Ring:
-    """A new, prefaulted ring that no one else can open and nothing can leave
-    behind in /dev/shm: it lives only in the fds the workers receive."""
-    try:
-        try:
-            return Ring.create_in(SHM_DIR, nslots, slot_bytes)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                raise
-        # No O_TMPFILE on this tmpfs: a fresh unguessable name, unlinked at once.
-        for _ in range(8):
-            name = f"/shmloader-{os.getpid()}-{secrets.token_hex(12)}"
-            try:
-                return Ring.create_named(name, nslots, slot_bytes)
-            except FileExistsError:
-                continue  # someone holds that name: never attach to it, pick another
-        raise FileExistsError(errno.EEXIST, f"no free shared-memory name after 8 tries ({name})")
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EOVERFLOW):
-            raise SharedMemoryError(_ring_bytes_message(nslots, slot_bytes, e.strerror)) from e
-        raise
 
 
 class ShmLoaderIter(_BaseDataLoaderIter):

@@ -1,40 +1,12 @@
 """shmloader.DataLoader: torch's DataLoader with a shared-memory slot ring."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch.utils.data
 
 from ._iterator import ShmLoaderIter
-from ._ring import CLAIMED, MAX_SLOTS, Ring
+from ._ring import MAX_SLOTS
+from ._rings import RingOptions
 from ._stats import Counters, LoaderStats
-
-
-@dataclass
-class _ShmOptions:
-    """The loader's shmloader settings, and what its iterators pass on to the
-    next one: the slot size learned from the first batch and a ring whose
-    workers have exited (so a new epoch does not prefault a new one)."""
-
-    slot_bytes: int | None
-    num_slots: int | None
-    learned_slot_bytes: int | None = None
-    spare_ring: Ring | None = None
-
-    def take_spare_ring(self, nslots: int, slot_bytes: int) -> Ring | None:
-        ring, self.spare_ring = self.spare_ring, None
-        if ring is not None and ring.nslots == nslots and ring.slot_bytes >= slot_bytes:
-            return ring
-        return None
-
-    def keep_spare_ring(self, ring: Ring) -> None:
-        """Take back the ring of an iterator whose workers have all exited."""
-        for slot in range(ring.nslots):
-            if ring.slot_state(slot) == CLAIMED:  # its worker stopped before filling it
-                ring.abandon(slot)
-        while (lease := ring.acquire()) is not None:  # published, never taken
-            lease.release()
-        self.spare_ring = ring
 
 
 def _check_positive_int(name, value, upper=None):
@@ -93,7 +65,7 @@ class DataLoader(torch.utils.data.DataLoader):
     ):
         _check_positive_int("slot_bytes", slot_bytes, upper=2**62)
         _check_positive_int("num_slots", num_slots, upper=MAX_SLOTS)
-        self._shm_options = _ShmOptions(slot_bytes, num_slots)
+        self._shm_options = RingOptions(slot_bytes, num_slots)
         self._counters = Counters()
         super().__init__(
             dataset,

@@ -1,0 +1,80 @@
+"""Where a loader's rings come from: creation, with a clear error when shared
+memory is short, and reuse from one iterator of a loader to the next."""
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from dataclasses import dataclass
+
+from ._ring import CLAIMED, Ring
+
+SHM_DIR = "/dev/shm"
+
+
+class SharedMemoryError(RuntimeError):
+    """The ring does not fit in shared memory."""
+
+
+def _ring_bytes_message(nslots, slot_bytes, cause) -> str:
+    total = nslots * slot_bytes
+    try:
+        st = os.statvfs(SHM_DIR)
+        free = f"{st.f_bavail * st.f_frsize} bytes are free in {SHM_DIR}"
+    except OSError:
+        free = f"{SHM_DIR} cannot be inspected"
+    return (
+        f"shmloader needs {total} bytes of shared memory for its ring "
+        f"({nslots} slots x {slot_bytes} bytes) but {free} ({cause}). Enlarge {SHM_DIR} "
+        "(docker: --shm-size), or lower num_slots, slot_bytes or the batch size."
+    )
+
+
+def create_ring(nslots: int, slot_bytes: int) -> Ring:
+    """A new, prefaulted ring that no one else can open and nothing can leave
+    behind in /dev/shm: it lives only in the fds the workers receive."""
+    try:
+        try:
+            return Ring.create_in(SHM_DIR, nslots, slot_bytes)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+        # No O_TMPFILE on this tmpfs: a fresh unguessable name, unlinked at once.
+        for _ in range(8):
+            name = f"/shmloader-{os.getpid()}-{secrets.token_hex(12)}"
+            try:
+                return Ring.create_named(name, nslots, slot_bytes)
+            except FileExistsError:
+                continue  # someone holds that name: never attach to it, pick another
+        raise FileExistsError(errno.EEXIST, f"no free shared-memory name after 8 tries ({name})")
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EOVERFLOW):
+            raise SharedMemoryError(_ring_bytes_message(nslots, slot_bytes, e.strerror)) from e
+        raise
+
+
+@dataclass
+class RingOptions:
+    """The loader's shmloader settings, and what its iterators pass on to the
+    next one: the slot size learned from the first batch and a ring whose
+    workers have exited (so a new epoch does not prefault a new one)."""
+
+    slot_bytes: int | None
+    num_slots: int | None
+    learned_slot_bytes: int | None = None
+    spare_ring: Ring | None = None
+
+    def take_spare_ring(self, nslots: int, slot_bytes: int) -> Ring | None:
+        ring, self.spare_ring = self.spare_ring, None
+        if ring is not None and ring.nslots == nslots and ring.slot_bytes >= slot_bytes:
+            return ring
+        return None
+
+    def keep_spare_ring(self, ring: Ring) -> None:
+        """Take back the ring of an iterator whose workers have all exited."""
+        for slot in range(ring.nslots):
+            if ring.slot_state(slot) == CLAIMED:  # its worker stopped before filling it
+                ring.abandon(slot)
+        while (lease := ring.acquire()) is not None:  # published, never taken
+            lease.release()
+        self.spare_ring = ring
