@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from ._ring import CLAIMED, Ring
 
 SHM_DIR = "/dev/shm"
+# Optional cap, in bytes, on one ring's shared memory: a ring that would be
+# larger fails at start exactly as on a /dev/shm of that size.
+LIMIT_ENV = "SHMLOADER_SHM_LIMIT"
 
 
 class SharedMemoryError(RuntimeError):
@@ -30,9 +33,24 @@ def _ring_bytes_message(nslots, slot_bytes, cause) -> str:
     )
 
 
+def _check_limit(nslots: int, slot_bytes: int) -> None:
+    limit = os.environ.get(LIMIT_ENV)
+    if not limit:
+        return
+    try:
+        limit_bytes = int(limit)
+    except ValueError:
+        raise ValueError(f"{LIMIT_ENV} should be a number of bytes, but is {limit!r}") from None
+    page = os.sysconf("SC_PAGESIZE")
+    if nslots * -(-slot_bytes // page) * page > limit_bytes:
+        raise SharedMemoryError(_ring_bytes_message(
+            nslots, slot_bytes, f"{LIMIT_ENV}={limit_bytes} caps a ring at that size"))
+
+
 def create_ring(nslots: int, slot_bytes: int) -> Ring:
     """A new, prefaulted ring that no one else can open and nothing can leave
     behind in /dev/shm: it lives only in the fds the workers receive."""
+    _check_limit(nslots, slot_bytes)
     try:
         try:
             return Ring.create_in(SHM_DIR, nslots, slot_bytes)

@@ -1,6 +1,8 @@
 """shmloader.DataLoader: torch's DataLoader with a shared-memory slot ring."""
 from __future__ import annotations
 
+import warnings
+
 import torch.utils.data
 
 from ._iterator import ShmLoaderIter
@@ -86,6 +88,18 @@ class DataLoader(torch.utils.data.DataLoader):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
+        self._warn_if_ring_too_small()
+
+    def _warn_if_ring_too_small(self):
+        in_flight = self.prefetch_factor * self.num_workers if self.num_workers else 0
+        if self._shm_options.num_slots is not None and self._shm_options.num_slots < in_flight + 2:
+            warnings.warn(
+                f"num_slots={self._shm_options.num_slots} cannot hold the "
+                f"prefetch_factor * num_workers = {in_flight} batches in flight plus the one "
+                "being yielded and the one your loop holds: some batches will travel by torch's "
+                f"(slower) transport. Use num_slots >= {in_flight + 2}, or leave it None.",
+                stacklevel=3,
+            )
 
     def _get_iterator(self):
         if self.num_workers == 0:

@@ -266,3 +266,23 @@ def test_stacking_into_slot_matches_torch_stack(kind):
             assert w == g
         else:
             assert w.dtype == g.dtype and torch.equal(w.resolve_conj(), g.resolve_conj())
+
+
+def test_shm_limit_env_simulates_small_dev_shm(monkeypatch):
+    monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(100_000))
+    loader = DataLoader(Images(64, shape=(3, 32, 32)), batch_size=8, num_workers=2)
+    with pytest.raises(SharedMemoryError) as e:
+        list(loader)  # the ring is sized from the first batch, then refused
+    message = str(e.value)
+    assert "SHMLOADER_SHM_LIMIT=100000" in message and "bytes of shared memory" in message
+    monkeypatch.setenv("SHMLOADER_SHM_LIMIT", "lots")
+    with pytest.raises(ValueError, match="SHMLOADER_SHM_LIMIT"):
+        list(DataLoader(Images(8), batch_size=4, num_workers=2, slot_bytes=SLOT))
+
+
+def test_fewer_slots_than_in_flight_warns_and_still_delivers():
+    with pytest.warns(UserWarning, match=r"num_slots=2 cannot hold .* = 8 batches"):
+        loader = DataLoader(Images(64), batch_size=4, num_workers=4, slot_bytes=SLOT,
+                            num_slots=2)
+    got = list(iter(loader))
+    assert [torch.equal(a, b) for a, b in zip(got, _expected(64, 4))] == [True] * 16
