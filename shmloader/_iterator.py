@@ -11,6 +11,7 @@ earlier epoch (persistent workers) are recognised and dropped.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -134,18 +135,39 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
-        if not first_iter:
-            for i in range(self._num_workers):
-                self._pool.send(i, ("resume", self._shared_seed))
-            pending = self._num_workers
-            while pending:
-                task_id, payload = self._next_arrival()
-                if task_id is None:
-                    pending -= 1
-                else:
-                    _discard(payload)
-        for _ in range(self._prefetch_factor * self._num_workers):
-            self._try_put_index()
+        with self._failing_workers():
+            if not first_iter:
+                self._resume_workers()
+            for _ in range(self._prefetch_factor * self._num_workers):
+                self._try_put_index()
+
+    def _resume_workers(self) -> None:
+        """Start persistent workers on a new epoch, dropping the old one's
+        results (a worker skips tasks a resume has made stale)."""
+        for i in range(self._num_workers):
+            self._pool.send(i, ("resume", self._shared_seed))
+        pending = self._num_workers
+        while pending:
+            task_id, payload = self._next_arrival()
+            if task_id is None:
+                pending -= 1
+            else:
+                _discard(payload)
+        # Every worker published or gave up its old tasks before it answered:
+        # what is left arrived with the answers and is stale too.  Its slots
+        # must be free before the new epoch claims any.
+        while self._arrivals:
+            _discard(self._arrivals.popleft()[1])
+
+    @contextlib.contextmanager
+    def _failing_workers(self):
+        """A worker's death ends this iterator: the other workers are stopped
+        at once, and the loader's next iter() starts afresh."""
+        try:
+            yield
+        except WorkerDied:
+            self._shutdown_workers(graceful=False)
+            raise
 
     # ---- dispatch (torch's rules) -----------------------------------------
 
@@ -206,11 +228,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             self._counters.wait_seconds += time.perf_counter() - started
             if fired is None:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
-        try:
-            messages = self._pool.receive(fired)
-        except WorkerDied:
-            self._shutdown_workers()
-            raise
+        messages = self._pool.receive(fired)
         arrivals = [(lease.seq, lease) for lease in leases]
         for worker_id, msg in messages:
             arrivals.append(self._accept(worker_id, msg))
@@ -248,6 +266,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             _discard(payload)
 
     def _next_data(self):
+        with self._failing_workers():
+            return self._next_batch()
+
+    def _next_batch(self):
         if self._ring is None and self._options.learned_slot_bytes is not None:
             self._start_ring(self._options.learned_slot_bytes)
         while True:
@@ -331,7 +353,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
 
     # ---- shutdown -----------------------------------------------------------
 
-    def _shutdown_workers(self) -> None:
+    def _shutdown_workers(self, graceful: bool = True) -> None:
         if _utils is None or _utils.python_exit_status is not False:
             return  # interpreter exit: multiprocessing's atexit ends daemon workers
         if self._shutdown:
@@ -341,7 +363,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             return  # a forked child collecting a copy: the workers are not its own
         pool = getattr(self, "_pool", None)
         if pool is not None:
-            pool.shutdown()
+            pool.shutdown(graceful)
         while self._arrivals:
             _discard(self._arrivals.popleft()[1])
         if self._ring is not None:

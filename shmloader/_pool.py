@@ -130,6 +130,10 @@ class WorkerPool:
                     self.processes[worker_id].join(1.0)
                     self.raise_if_dead()
                     raise
+        if messages:
+            # A worker's last words (its error, say) go first; its sentinel
+            # stays readable, so the next wait reports the death.
+            return messages
         for fd in fired_fds:
             if fd in self._sentinels:
                 # A sentinel can fire a moment before the exit can be reaped.
@@ -151,14 +155,16 @@ class WorkerPool:
                 "by the kernel (SIGKILL), it may have run out of memory."
             )
 
-    def shutdown(self) -> None:
-        """Ask every worker to exit, wait a little, then terminate stragglers."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Ask every worker to exit, wait a little, then terminate stragglers;
+        with graceful=False (a worker died: the rest is abandoned) terminate
+        at once."""
         for conn in self._tasks:
             try:
                 conn.send(None)
             except OSError:
                 pass
-        deadline = time.monotonic() + JOIN_TIMEOUT
+        deadline = time.monotonic() + (JOIN_TIMEOUT if graceful else 0.0)
         for p in self.processes:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self.processes:

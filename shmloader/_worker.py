@@ -191,13 +191,16 @@ def _run(cfg: WorkerConfig) -> None:
             cfg.dataset_kind, dataset, cfg.auto_collation, collate_fn, cfg.drop_last
         )
 
-    init_exception = None
+    # Without a fetcher (worker_init_fn or an IterableDataset's __iter__
+    # raised), every task answers with that error until a resume makes one;
+    # the worker itself lives on.
+    fetcher = fetcher_error = None
     try:
         if cfg.init_fn is not None:
             cfg.init_fn(cfg.worker_id)
         fetcher = make_fetcher()
     except Exception:
-        init_exception = ExceptionWrapper(where=where)
+        fetcher_error = ExceptionWrapper(where=where)
 
     inbox = _Inbox(cfg.tasks, cfg.manager_pid)
     slots = None
@@ -216,7 +219,10 @@ def _run(cfg: WorkerConfig) -> None:
             if isinstance(dataset, IterDataPipe):
                 shared_rng.manual_seed(msg[1])
                 dataset = apply_random_seed(dataset, shared_rng)
-            fetcher = make_fetcher()
+            try:
+                fetcher, fetcher_error = make_fetcher(), None
+            except Exception:
+                fetcher, fetcher_error = None, ExceptionWrapper(where=where)
             cfg.results.send(("resumed",))
             continue
         _, task_id, index, slot = msg
@@ -224,9 +230,9 @@ def _run(cfg: WorkerConfig) -> None:
             if slot >= 0:
                 slots.ring.abandon(slot)
             continue
-        if init_exception is not None:
+        if fetcher is None:
             _give_back(slots, slot)
-            reply, init_exception = ("error", task_id, init_exception), None
+            reply = ("error", task_id, fetcher_error)
         else:
             reply, iteration_end = _do_task(cfg, fetcher, slot_collate, slots, task_id, index,
                                             slot, where)
