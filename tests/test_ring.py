@@ -233,3 +233,20 @@ def test_stress_many_processes_every_payload_checked():
         for p in procs:
             p.join(10)
             assert p.exitcode == 0
+
+
+# Header fields, at the offsets drawn in csrc/shmring.c: magic u64 @0, version u32 @8,
+# nslots u32 @12, ..., owner_uid u32 @40.
+@pytest.mark.parametrize("offset,value,err", [
+    (0, b"NOTARING", errno.EBADMSG),
+    (8, (99).to_bytes(4, "little"), errno.EPROTO),
+    (12, (5).to_bytes(4, "little"), errno.EBADMSG),
+    (40, (os.geteuid() + 1).to_bytes(4, "little"), errno.EPERM),
+])
+def test_attach_rejects_tampered_header(offset, value, err):
+    ring = Ring.create_in("/dev/shm", 4, 10000)
+    fd, efd = ring.fds
+    os.pwrite(fd, value, offset)
+    with pytest.raises(OSError) as e:
+        Ring.attach(fd, efd)
+    assert e.value.errno == err
