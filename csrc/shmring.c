@@ -106,13 +106,17 @@ int shmring_create_named(const char *name, uint32_t nslots, uint64_t slot_bytes,
 }
 
 static int init_segment(int fd, uint32_t nslots, uint64_t slot_bytes, shmring_t **out) {
-    uint64_t slot = round_up(slot_bytes, page_size());
     uint64_t data_off = data_offset(nslots);
     uint64_t total = 0;
     if (nslots == 0 || nslots > SHMRING_MAX_SLOTS || slot_bytes == 0) {
         close(fd);
         return -EINVAL;
     }
+    if (slot_bytes > UINT64_MAX - page_size()) { /* round_up would wrap */
+        close(fd);
+        return -EOVERFLOW;
+    }
+    uint64_t slot = round_up(slot_bytes, page_size());
     if (slot > (UINT64_MAX - data_off) / nslots ||
         (total = data_off + (uint64_t)nslots * slot) > (uint64_t)INT64_MAX) {
         close(fd);

@@ -9,9 +9,9 @@
  *
  * Segment layout (all offsets from the segment base, which mmap page-aligns):
  *
- *   0        struct shmring_header   magic, version, geometry, owner,
- *                                    consumer_sleeping (own cache line)
- *   64       struct shmring_slot[n]  one 64-byte descriptor per slot
+ *   0        struct shmring_header   magic, version, geometry, owner (64 bytes),
+ *                                    consumer_sleeping (own cache line, 64 bytes)
+ *   128      struct shmring_slot[n]  one 64-byte descriptor per slot
  *   data_off slot 0 data             page-aligned, slot_bytes long
  *            slot 1 data             data_off + 1 * slot_bytes
  *            ...

@@ -15,6 +15,7 @@ Reference tuples (the pickle's persistent ids):
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from multiprocessing.reduction import ForkingPickler
 
@@ -101,6 +102,11 @@ def span_elements(shape, stride) -> int:
 
 
 class _RefUnpickler(pickle.Unpickler):
+    """Turns slot references back into views, refusing any that would not lie
+    wholly inside the slot: a corrupted slot is an error, never a wild read.
+    (torch.frombuffer checks the span, Tensor.set_ the shape and strides over
+    it; numpy's own extent check can overflow, so it is done here.)"""
+
     def __init__(self, file, slot_buffer):
         super().__init__(file)
         self._buffer = slot_buffer
@@ -110,6 +116,8 @@ class _RefUnpickler(pickle.Unpickler):
         if kind == TENSOR:
             _, offset, dtype, shape, stride, count, requires_grad = ref
             if count == 0:
+                if math.prod(shape) != 0:
+                    raise pickle.UnpicklingError(f"slot reference {ref!r} has no bytes")
                 tensor = torch.empty(shape, dtype=dtype)
             else:
                 # A storage of exactly this leaf's bytes (torch.save and
@@ -121,9 +129,24 @@ class _RefUnpickler(pickle.Unpickler):
             return tensor.requires_grad_() if requires_grad else tensor
         if kind == NDARRAY:
             _, offset, dtype, shape, strides = ref
-            return np.ndarray(shape, dtype=np.dtype(dtype), buffer=self._buffer,
+            dtype = np.dtype(dtype)
+            if dtype.hasobject or not _inside(offset, shape, strides, dtype.itemsize,
+                                              len(self._buffer)):
+                raise pickle.UnpicklingError(f"slot reference {ref!r} does not fit the slot")
+            return np.ndarray(shape, dtype=dtype, buffer=self._buffer,
                               offset=offset, strides=strides)
         raise pickle.UnpicklingError(f"unknown slot reference kind {kind!r}")
+
+
+def _inside(offset, shape, strides, itemsize, size) -> bool:
+    """Whether an array's every byte lies in [0, size), in exact integers."""
+    if len(shape) != len(strides) or any(n < 0 for n in shape):
+        return False
+    if any(n == 0 for n in shape):
+        return 0 <= offset <= size
+    low = offset + sum(min(0, (n - 1) * st) for n, st in zip(shape, strides))
+    high = offset + sum(max(0, (n - 1) * st) for n, st in zip(shape, strides)) + itemsize
+    return 0 <= low and high <= size
 
 
 def loads(meta: bytes, slot_buffer):

@@ -482,7 +482,9 @@ def object_collate(batch):
 
 # --------------------------------------------------------------------------- comparison
 def _tensor_bits(t):
-    t = t.detach().contiguous().reshape(-1)
+    # clone(contiguous_format) gives standard strides even where torch already calls
+    # the tensor contiguous (empty tensors, size-1 dimensions), which view() needs.
+    t = t.detach().clone(memory_format=torch.contiguous_format).reshape(-1)
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
     return t.view(torch.uint8)

@@ -250,3 +250,9 @@ def test_attach_rejects_tampered_header(offset, value, err):
     with pytest.raises(OSError) as e:
         Ring.attach(fd, efd)
     assert e.value.errno == err
+
+
+def test_slot_size_that_would_wrap_is_refused():
+    with pytest.raises(OSError) as e:
+        Ring.create_in("/dev/shm", 2, 2**64 - 1)
+    assert e.value.errno == errno.EOVERFLOW
