@@ -256,3 +256,9 @@ def test_slot_size_that_would_wrap_is_refused():
     with pytest.raises(OSError) as e:
         Ring.create_in("/dev/shm", 2, 2**64 - 1)
     assert e.value.errno == errno.EOVERFLOW
+
+
+def test_segment_is_private_to_its_user(ring):
+    st = os.fstat(ring.fds[0])
+    assert st.st_uid == os.geteuid()
+    assert st.st_mode & 0o777 == 0o600
