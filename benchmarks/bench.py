@@ -1,13 +1,18 @@
-"""torch's DataLoader against shmloader's, side by side, on the same dataset objects.
+"""torch's DataLoader against shmloader's, side by side, on the same dataset objects, with
+the transport-free limit of the same work measured in the same run.
 
-    python benchmarks/bench.py --quick
-    python benchmarks/bench.py --preset uint8-224 --preset tiny [--loaders torch]
+    python benchmarks/bench.py --quick     # the six workloads, 2 workers: about a minute on 2 cores
+    python benchmarks/bench.py             # full: the six workloads and the size sweep, with
+                                           # 1, 2 and 4 workers and two batch sizes each
+    python benchmarks/bench.py --preset jpeg --workers 4 [--batch-size 64] [--loaders torch]
 
-For each preset, both loaders get the same dataset object and the same arguments. Their
-first epochs run side by side and must yield identical batches; then timed epochs
-alternate between the loaders (torch, shmloader, torch, ...) so that machine noise hits
-both alike, and the figures are medians over those repetitions. Time to first batch and
-peak memory are measured afterwards on fresh, non-persistent loaders, one at a time.
+A run is one preset with one number of workers and one batch size. Both loaders get the
+same dataset object and the same arguments. Their first epochs run side by side and must
+yield identical batches; then the limit's workers start (see limit.py) and timed epochs
+alternate (torch, shmloader, limit, torch, ...) so that machine noise hits all of them
+alike, and the figures are medians over those repetitions. Time to first batch and peak
+memory are measured afterwards on fresh, non-persistent loaders, one at a time. Every
+run's figures go to one JSON file, with the charts next to it (see charts.py).
 See shared/BENCHMARKS.md for what the figures mean.
 """
 import argparse
@@ -15,29 +20,45 @@ import datetime
 import functools
 import gc
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch.utils.data
 
+import charts
 import report
+from limit import TransportFreeLimit
 from measure import BenchmarkError, Epoch, Spec, checked_warm_up, first_batch_s, peak_memory, timed_epoch
-from workloads import PRESETS, Preset
+from workloads import FAMILIES, PRESETS, WORKLOADS, Preset
 
 LOADERS = ("torch", "shmloader")  # torch first: it is the reference the others are checked against
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "{preset}.json"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "throughput.json"
 # (full run, --quick): timed epochs per loader, and fresh loaders timed to first batch.
-REPS = (7, 5)
+REPS = (7, 3)
 FIRST_BATCH_REPS = (5, 3)
+# (full run, --quick): worker counts, and batch sizes as divisors of each preset's own.
+# A quarter of the batch pays the per-batch costs four times as often per sample.
+WORKERS = ((1, 2, 4), (2,))
+BATCH_DIVISORS = ((4, 1), (1,))
 
 
 @dataclass(frozen=True)
 class Settings:
     quick: bool
-    workers: int
     reps: int
     first_batch_reps: int
+
+
+@dataclass(frozen=True)
+class Run:
+    preset: Preset
+    workers: int
+    batch_size: int
+
+    def label(self) -> str:
+        return f"{self.preset.name}, {report.workers_label(self.workers)}, batch {self.batch_size}"
 
 
 def loader_class(name: str) -> type:
@@ -70,20 +91,28 @@ class Progress:
             print(" " * self._width, end="\r", file=sys.stderr, flush=True)
 
 
-def throughput(makers: dict[str, Callable[..., Any]], settings: Settings,
-               progress: Callable[[str], None]) -> tuple[Spec, int, dict[str, list[Epoch]], dict[str, Any]]:
+def throughput(makers: dict[str, Callable[..., Any]], settings: Settings, progress: Callable[[str], None]
+               ) -> tuple[Spec, int, dict[str, list[Epoch]], dict[str, Any]]:
     """Warm-up with the equality check, then the interleaved timed epochs of persistent
-    loaders. The loaders live only in this function, so their workers are shut down
-    when it returns. Returns (batch layout, batches compared, epochs, stats)."""
+    loaders and of the transport-free limit. The loaders and the limit live only in
+    this function, so their workers are shut down when it returns. Returns (batch
+    layout, batches compared, epochs by loader name and report.LIMIT, stats)."""
     loaders = {name: make(persistent_workers=True) for name, make in makers.items()}
     check = ", checking that their batches are equal" if len(loaders) > 1 else ""
     progress(f"warm-up epoch of {' and '.join(loaders)}{check}")
     spec, compared = checked_warm_up(loaders)
-    epochs = {name: [] for name in loaders}
-    for rep in range(settings.reps):
-        for name, loader in loaders.items():
-            progress(f"{name}: timed epoch {rep + 1}/{settings.reps}")
-            epochs[name].append(timed_epoch(loader, spec))
+    # The limit does the reference loader's work: its dataset, its batches, its workers.
+    reference = next(iter(loaders.values()))
+    progress("start of the transport-free limit and its warm-up epoch")
+    with TransportFreeLimit(reference.dataset, list(reference.batch_sampler), reference.num_workers, spec) as limit:
+        limit.epoch()
+        runners = {name: functools.partial(timed_epoch, loader, spec) for name, loader in loaders.items()}
+        runners[report.LIMIT] = limit.epoch
+        epochs = {name: [] for name in runners}
+        for rep in range(settings.reps):
+            for name, run_epoch in runners.items():
+                progress(f"{name}: timed epoch {rep + 1}/{settings.reps}")
+                epochs[name].append(run_epoch())
     # Only shmloader has stats(); they cover the warm-up and every timed epoch.
     stats = {name: loader.stats() if hasattr(loader, "stats") else None for name, loader in loaders.items()}
     return spec, compared, epochs, stats
@@ -107,58 +136,92 @@ def fresh_loader_figures(makers: dict[str, Callable[..., Any]], spec: Spec, sett
     return first, memory
 
 
-def run_preset(preset: Preset, classes: dict[str, type], settings: Settings) -> dict[str, Any]:
+def measure_run(run: Run, classes: dict[str, type], settings: Settings, scratch: Path,
+                progress: Callable[[str], None]) -> dict[str, Any]:
+    """Every figure of one run, as its JSON record."""
+    preset = run.preset
     batches = preset.quick_batches if settings.quick else preset.batches
-    dataset = preset.make_dataset(batches * preset.batch_size)
+    dataset = preset.make_dataset(batches * run.batch_size, scratch)
     # The same dataset object and arguments for every loader; shuffle=False so that the
     # loaders' batches can be compared. pin_memory=False: torch's pinning thread would
     # count as main-process CPU, and shmloader is compared on transport alone.
-    makers = {name: functools.partial(cls, dataset, batch_size=preset.batch_size, shuffle=False,
-                                      num_workers=settings.workers, pin_memory=False)
+    makers = {name: functools.partial(cls, dataset, batch_size=run.batch_size, shuffle=False,
+                                      num_workers=run.workers, pin_memory=False)
               for name, cls in classes.items()}
-    progress = Progress(f"[{preset.name}]")
     spec, compared, epochs, stats = throughput(makers, settings, progress)
     gc.collect()
     first, memory = fresh_loader_figures(makers, spec, settings, progress)
-    progress.clear()
-    loaders = {name: report.figures(epochs[name], first[name], memory[name], stats[name]) for name in classes}
+    # The limit's main process only waits: it has throughput figures and nothing else.
+    limit = report.throughput_figures(epochs[report.LIMIT])
+    loaders = {name: report.figures(epochs[name], first[name], memory[name], stats[name], limit)
+               for name in classes}
     return {
         "preset": {
             "name": preset.name,
             "sample": preset.description,
-            "batch_size": preset.batch_size,
-            "batches_per_epoch": batches,
             "sample_bytes": preset.sample_bytes,
+            "family": preset.family,
         },
-        "settings": {**vars(settings), "loaders": list(classes)},
+        "settings": {**vars(settings), "workers": run.workers, "batch_size": run.batch_size,
+                     "batches_per_epoch": batches, "loaders": list(classes)},
         # Every loader after the first is checked against the first, torch when it runs.
         "correctness": {"reference": next(iter(classes)), "compared": list(classes)[1:],
                         "batches": compared},
         "loaders": loaders,
+        "limit": limit,
         "ratios": report.ratios(loaders),
     }
 
 
+def plan(preset_names: list[str], workers: list[int], batch_sizes: list[int] | None, quick: bool) -> list[Run]:
+    """The runs, preset by preset: every worker count with every batch size."""
+    runs = []
+    for name in preset_names:
+        preset = PRESETS[name]
+        sizes = batch_sizes or [max(1, preset.batch_size // d) for d in BATCH_DIVISORS[quick]]
+        runs += [Run(preset, w, b) for w in workers for b in sizes]
+    return runs
+
+
+def preset_names(chosen: list[str] | None, quick: bool) -> list[str]:
+    """Presets named on the command line, families expanded, each once; by default the
+    six workloads, and with a full run the size sweep as well."""
+    if not chosen:
+        chosen = list(WORKLOADS) if quick else [*WORKLOADS, *FAMILIES]
+    names = [member for name in chosen for member in FAMILIES.get(name, (name,))]
+    return list(dict.fromkeys(names))
+
+
+def _listed(values: tuple[int, ...]) -> str:
+    return " ".join(map(str, values))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", action="append", choices=sorted(PRESETS),
-                        help="workload to run; repeat for several (default: uint8-224)")
+    parser.add_argument("--preset", action="append", choices=[*PRESETS, *FAMILIES],
+                        help="workload to run, or a family of them; repeat for several (default: "
+                             f"{', '.join(WORKLOADS)}; without --quick also {', '.join(FAMILIES)})")
     parser.add_argument("--loaders", nargs="+", choices=LOADERS, default=list(LOADERS),
                         help="loaders to compare (default: both)")
-    parser.add_argument("--workers", type=int, default=2, help="num_workers of every loader (default: 2)")
+    parser.add_argument("--workers", type=int, nargs="+",
+                        help=f"num_workers of every loader, one run each (default: {_listed(WORKERS[1])} with "
+                             f"--quick, else {_listed(WORKERS[0])})")
+    parser.add_argument("--batch-size", type=int, nargs="+",
+                        help="batch sizes, one run each (default: the preset's own, and without --quick "
+                             "also a quarter of it)")
     parser.add_argument("--quick", action="store_true", help="short epochs and few repetitions")
     parser.add_argument("--reps", type=int,
                         help=f"timed epochs per loader (default: {REPS[1]} with --quick, else {REPS[0]})")
-    parser.add_argument("--out", default=str(DEFAULT_OUT),
-                        help="JSON path; {preset} is replaced by the preset's name (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="JSON path; the charts are written next to it, named after it (default: %(default)s)")
     args = parser.parse_args(argv)
-    args.preset = args.preset or ["uint8-224"]
-    if args.workers < 1:
+    args.workers = args.workers or list(WORKERS[args.quick])
+    if min(args.workers) < 1:
         parser.error("--workers must be at least 1: the benchmark measures the hand-off from workers")
+    if args.batch_size is not None and min(args.batch_size) < 1:
+        parser.error("--batch-size must be at least 1")
     if args.reps is not None and args.reps < 1:
         parser.error("--reps must be at least 1")
-    if len(args.preset) > 1 and "{preset}" not in args.out:
-        parser.error("--out must contain {preset} when several presets run")
     return args
 
 
@@ -166,25 +229,40 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     settings = Settings(
         quick=args.quick,
-        workers=args.workers,
         reps=args.reps or REPS[args.quick],
         first_batch_reps=FIRST_BATCH_REPS[args.quick],
     )
     # Keep the reference first whatever order the loaders were named in.
     classes = {name: loader_class(name) for name in LOADERS if name in args.loaders}
+    runs = plan(preset_names(args.preset, args.quick), args.workers, args.batch_size, args.quick)
     machine = report.machine()
     print(report.machine_line(machine) + "\n")
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    for name in dict.fromkeys(args.preset):
-        try:
-            figures = run_preset(PRESETS[name], classes, settings)
-        except BenchmarkError as error:
-            sys.exit(f"[{name}] {error}")
-        record = {"started": started, "command": sys.argv, "machine": machine, **figures}
-        path = Path(args.out.format(preset=name))
-        report.write_json(record, path)
-        print(report.table(record))
-        print(f"written to {path}\n")
+    document = {
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": sys.argv,
+        "machine": machine,
+        "runs": [],
+    }
+    # The jpeg preset writes its files here; every run of this invocation shares them.
+    with tempfile.TemporaryDirectory(prefix="shmloader-bench-") as scratch:
+        for number, run in enumerate(runs, 1):
+            progress = Progress(f"[{number}/{len(runs)}] {run.label()}:")
+            try:
+                record = measure_run(run, classes, settings, Path(scratch), progress)
+            except BenchmarkError as error:
+                sys.exit(f"[{run.label()}] {error}")
+            progress.clear()
+            document["runs"].append(record)
+            report.write_json(document, args.out)  # after every run, so that a broken-off run keeps its figures
+            print(report.table(record) + "\n")
+    if len(runs) > 1:
+        print(report.summary(document["runs"]) + "\n")
+    print(f"figures written to {args.out}")
+    if not charts.AVAILABLE:
+        print("no chart: matplotlib is not installed (pip install -e '.[bench]')")
+        return
+    for path in charts.write(document, args.out):
+        print(f"chart written to {path}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ MEMORY_SAMPLE_INTERVAL_S = 0.02
 
 
 class BenchmarkError(RuntimeError):
-    """A loader yielded something other than what the reference loader yielded."""
+    """A loader yielded something other than what the reference loader yielded, or a
+    worker of the transport-free limit failed."""
 
 
 def tensor_leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:

@@ -14,25 +14,34 @@ import torch
 from measure import Epoch, psutil
 
 REFERENCE = "torch"
+LIMIT = "limit"  # the transport-free limit's name in epochs, records and charts
 # Figures compared as (loader / torch): above 1 is better for throughput, worse for the rest.
 RATIO_FIGURES = ("samples_per_s", "gb_per_s", "cpu_s_per_batch", "first_batch_s")
 
 
-def figures(epochs: list[Epoch], first_batch_reps_s: list[float],
-            memory: dict[str, int] | None, stats: Any) -> dict[str, Any]:
-    """One loader's figures: medians over repetitions, with every repetition kept."""
+def throughput_figures(epochs: list[Epoch]) -> dict[str, Any]:
+    """Medians over repetitions, with every repetition kept."""
     rates = [e.samples / e.wall_s for e in epochs]
-    result = {
+    return {
         "samples_per_s": statistics.median(rates),
         "gb_per_s": statistics.median(e.bytes / e.wall_s / 1e9 for e in epochs),
-        "cpu_s_per_batch": statistics.median(e.cpu_s / e.batches for e in epochs),
         # (max - min) / median of samples/s: how far apart the repetitions were.
         "throughput_spread": (max(rates) - min(rates)) / statistics.median(rates),
+        "epochs": [dataclasses.asdict(e) for e in epochs],
+    }
+
+
+def figures(epochs: list[Epoch], first_batch_reps_s: list[float], memory: dict[str, int] | None,
+            stats: Any, limit: dict[str, Any]) -> dict[str, Any]:
+    """One loader's figures, with its throughput as a fraction of the limit's."""
+    result = throughput_figures(epochs)
+    result.update({
+        "fraction_of_limit": result["samples_per_s"] / limit["samples_per_s"],
+        "cpu_s_per_batch": statistics.median(e.cpu_s / e.batches for e in epochs),
         "first_batch_s": statistics.median(first_batch_reps_s),
         "memory": memory,
-        "epochs": [dataclasses.asdict(e) for e in epochs],
         "first_batch_reps_s": first_batch_reps_s,
-    }
+    })
     if stats is not None:
         result["stats"] = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else repr(stats)
     return result
@@ -68,6 +77,10 @@ def machine() -> dict[str, Any]:
         "psutil": psutil.__version__ if psutil else None,
         "shmloader": _installed_version("shmloader"),
     }
+
+
+def workers_label(workers: int) -> str:
+    return f"{workers} worker{'' if workers == 1 else 's'}"
 
 
 def machine_line(m: dict[str, Any]) -> str:
@@ -106,34 +119,50 @@ def write_json(record: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
-# (heading, width, function of a loader's figures -> cell, function of a ratio dict -> cell)
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """A column of the table: where its figure is in a loader's (or the limit's)
+    figures, and whether the ratio rows show it too."""
+    heading: str
+    path: tuple[str, ...]  # keys, outermost first
+    template: str
+    scale: float = 1
+    ratio: bool = False
+
+    def cell(self, figs: dict[str, Any]) -> str:
+        value = figs
+        for key in self.path:
+            value = value.get(key) if value else None
+        return "" if value is None else self.template.format(value * self.scale)
+
+    def ratio_cell(self, ratio: dict[str, float]) -> str:
+        value = ratio.get(self.path[-1]) if self.ratio else None
+        return "" if value is None else f"{value:.2f}x"
+
+
 _COLUMNS = [
-    ("samples/s", 10, lambda f: f"{f['samples_per_s']:,.0f}", lambda r: f"{r['samples_per_s']:.2f}x"),
-    ("GB/s", 7, lambda f: f"{f['gb_per_s']:.2f}", lambda r: f"{r['gb_per_s']:.2f}x"),
-    ("spread", 7, lambda f: f"{f['throughput_spread']:.0%}", lambda r: ""),
-    ("main CPU ms/batch", 18, lambda f: f"{f['cpu_s_per_batch'] * 1e3:.2f}", lambda r: f"{r['cpu_s_per_batch']:.2f}x"),
-    ("first batch s", 14, lambda f: f"{f['first_batch_s']:.3f}", lambda r: f"{r['first_batch_s']:.2f}x"),
-    ("peak PSS MiB", 13, lambda f: _mib(f["memory"], "peak_pss_bytes"), lambda r: ""),
-    ("added MiB", 10, lambda f: _mib(f["memory"], "added_pss_bytes"),
-     lambda r: f"{r['added_pss_bytes']:.2f}x" if "added_pss_bytes" in r else ""),
+    Column("samples/s", ("samples_per_s",), "{:,.0f}", ratio=True),
+    Column("GB/s", ("gb_per_s",), "{:.2f}", ratio=True),
+    Column("fraction of limit", ("fraction_of_limit",), "{:.0%}"),
+    Column("spread", ("throughput_spread",), "{:.0%}"),
+    Column("main CPU ms/batch", ("cpu_s_per_batch",), "{:.2f}", scale=1e3, ratio=True),
+    Column("first batch s", ("first_batch_s",), "{:.3f}", ratio=True),
+    Column("peak PSS MiB", ("memory", "peak_pss_bytes"), "{:,.0f}", scale=2**-20),
+    Column("added MiB", ("memory", "added_pss_bytes"), "{:,.0f}", scale=2**-20, ratio=True),
 ]
 
 
-def _mib(memory: dict[str, int] | None, key: str) -> str:
-    return f"{memory[key] / 2**20:,.0f}" if memory else "n/a"
-
-
 def table(record: dict[str, Any]) -> str:
-    """The terminal table of one preset's record."""
+    """The terminal table of one run's record: the loaders, the limit, the ratios."""
     p, s = record["preset"], record["settings"]
-    title = (f"{p['name']}: {p['sample']}, batch {p['batch_size']}, {s['workers']} workers, "
-             f"{p['batches_per_epoch']} batches/epoch, median of {s['reps']} reps")
-    rows = [[name, *(cell(figs) for _, _, cell, _ in _COLUMNS)] for name, figs in record["loaders"].items()]
-    rows += [[name, *(cell(r) for _, _, _, cell in _COLUMNS)] for name, r in record["ratios"].items()]
-    first_width = max(len("loader"), *(len(row[0]) for row in rows))
-    widths = [first_width, *(width for _, width, _, _ in _COLUMNS)]
-    header = ["loader", *(heading for heading, _, _, _ in _COLUMNS)]
-    lines = [title, _line(header, widths), *(_line(row, widths) for row in rows)]
+    title = (f"{p['name']}: {p['sample']}, batch {s['batch_size']}, {workers_label(s['workers'])}, "
+             f"{s['batches_per_epoch']} batches/epoch, median of {s['reps']} reps")
+    figures_rows = [*record["loaders"].items(), (LIMIT, record["limit"])]
+    rows = [[name, *(c.cell(figs) for c in _COLUMNS)] for name, figs in figures_rows]
+    rows += [[name, *(c.ratio_cell(r) for c in _COLUMNS)] for name, r in record["ratios"].items()]
+    lines = [title, *_aligned([["loader", *(c.heading for c in _COLUMNS)], *rows])]
+    lines.append(f"{LIMIT}: the same {workers_label(s['workers'])} fetching the same batches and stacking them "
+                 "(torch.stack) into shared memory of their own, with no hand-off")
     check = record["correctness"]
     if check["compared"]:
         lines.append(f"equality check: {' and '.join(check['compared'])} yielded the same "
@@ -141,5 +170,24 @@ def table(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _line(cells: list[str], widths: list[int]) -> str:
-    return "  ".join([cells[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(cells[1:], widths[1:]))])
+def summary(records: list[dict[str, Any]]) -> str:
+    """One line per run: samples/s of every loader and of the limit, each loader's
+    fraction of the limit, and the ratios to torch."""
+    loaders = list(records[0]["loaders"])
+    ratios = list(records[0]["ratios"])
+    header = ["workload", "workers", "batch", *(f"{n} samples/s" for n in [*loaders, LIMIT]),
+              *(f"{n} of limit" for n in loaders), *ratios]
+    rows = [[r["preset"]["name"], str(r["settings"]["workers"]), str(r["settings"]["batch_size"]),
+             *(f"{f['samples_per_s']:,.0f}" for f in [*r["loaders"].values(), r["limit"]]),
+             *(f"{f['fraction_of_limit']:.0%}" for f in r["loaders"].values()),
+             *(f"{ratio['samples_per_s']:.2f}x" for ratio in r["ratios"].values())]
+            for r in records]
+    return "\n".join(["summary (samples/s, medians)", *_aligned([header, *rows])])
+
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+    """Rows of cells as lines: the first column left-aligned, the others right-aligned,
+    each as wide as its widest cell."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]).rstrip()
+            for row in rows]

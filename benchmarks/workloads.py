@@ -1,12 +1,14 @@
 """The benchmark's workloads: one table of named presets (see shared/BENCHMARKS.md).
 
-A sample is a clone of an array from a small pool generated once, deterministically,
-when the dataset is built: producing a sample then costs the same copy whichever
-loader asks for it, and the values are reproducible, so the two loaders' batches can
-be compared for equality.
+A synthetic sample is a clone of an array from a small pool generated once,
+deterministically, when the dataset is built: producing a sample then costs the same
+copy whichever loader asks for it, and the values are reproducible, so the loaders'
+batches can be compared for equality. The `jpeg` preset decodes real files instead,
+written into the run's scratch folder (see jpeg_folder.py).
 """
 from dataclasses import dataclass
 from math import prod
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -15,6 +17,9 @@ from torch.utils.data import Dataset
 POOL_SIZE = 8
 NUM_CLASSES = 1000
 SEED = 0
+# multi-field: objects per sample. Fixed, so that torch's default collate can stack them.
+OBJECTS = 16
+MASK_SIDE = 128
 
 
 class PoolDataset(Dataset):
@@ -31,11 +36,53 @@ class PoolDataset(Dataset):
         return self.pool[index % len(self.pool)].clone(), index % NUM_CLASSES
 
 
+class DetectionDataset(Dataset):
+    """Map-style dataset of detection-like samples: a dict of tensors copied from a pool
+    entry, plus the sample's id and file name, which are made per index as a real
+    dataset's would be."""
+
+    def __init__(self, pool: list[dict[str, torch.Tensor]], length: int):
+        self.pool = pool
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict:
+        sample = {key: value.clone() for key, value in self.pool[index % len(self.pool)].items()}
+        sample["image_id"] = index
+        sample["filename"] = f"images/{index:08d}.jpg"
+        return sample
+
+
 def random_pool(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(SEED)
-    if dtype == torch.uint8:
-        return [torch.randint(0, 256, shape, dtype=dtype, generator=generator) for _ in range(POOL_SIZE)]
-    return [torch.randn(shape, dtype=dtype, generator=generator) for _ in range(POOL_SIZE)]
+    return [random_tensor(shape, dtype, generator) for _ in range(POOL_SIZE)]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype, generator=generator)
+    high = 256 if dtype == torch.uint8 else NUM_CLASSES
+    return torch.randint(0, high, shape, dtype=dtype, generator=generator)
+
+
+# multi-field: the tensor fields of a sample, (shape, dtype), in the order a detection
+# dataset returns them. With image_id and filename, a sample has 8 leaves.
+DETECTION_FIELDS = {
+    "image": ((3, 512, 512), torch.uint8),
+    "boxes": ((OBJECTS, 4), torch.float32),
+    "labels": ((OBJECTS,), torch.int64),
+    "masks": ((OBJECTS, MASK_SIDE, MASK_SIDE), torch.uint8),
+    "area": ((OBJECTS,), torch.float32),
+    "iscrowd": ((OBJECTS,), torch.uint8),
+}
+
+
+def detection_pool() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(SEED)
+    return [{key: random_tensor(shape, dtype, generator) for key, (shape, dtype) in DETECTION_FIELDS.items()}
+            for _ in range(POOL_SIZE)]
 
 
 @dataclass(frozen=True)
@@ -44,16 +91,18 @@ class Preset:
     description: str
     batch_size: int
     # Epoch lengths in batches, sized so that a torch epoch takes about 4 s in a full
-    # run and 1 s with --quick on 2 cores: long enough for start-up and scheduling
-    # noise to stay small against the figure.
+    # run (2 s for the size sweep, which has many points) and 0.5 to 1 s with --quick
+    # on 2 cores: long enough for start-up and scheduling noise to stay small against
+    # the figure.
     batches: int
     quick_batches: int
-    sample_bytes: int
-    make_dataset: Callable[[int], Dataset]  # number of samples -> dataset
+    sample_bytes: int  # tensor bytes of one sample
+    make_dataset: Callable[[int, Path], Dataset]  # (number of samples, scratch folder) -> dataset
+    family: str | None = None  # presets that are points of one sweep, plotted together
 
 
-def tensor_preset(name: str, shape: tuple[int, ...], dtype: torch.dtype,
-                  batch_size: int, batches: int, quick_batches: int) -> Preset:
+def tensor_preset(name: str, shape: tuple[int, ...], dtype: torch.dtype, batch_size: int,
+                  batches: int, quick_batches: int, family: str | None = None) -> Preset:
     """A preset whose sample is one dense tensor of `shape` plus an int label."""
     dims = "x".join(map(str, shape))
     type_name = str(dtype).removeprefix("torch.")
@@ -64,8 +113,59 @@ def tensor_preset(name: str, shape: tuple[int, ...], dtype: torch.dtype,
         batches=batches,
         quick_batches=quick_batches,
         sample_bytes=prod(shape) * dtype.itemsize,
-        make_dataset=lambda length: PoolDataset(random_pool(shape, dtype), length),
+        make_dataset=lambda length, scratch: PoolDataset(random_pool(shape, dtype), length),
+        family=family,
     )
+
+
+def multi_field_preset() -> Preset:
+    return Preset(
+        name="multi-field",
+        description=(f"dict of uint8 image 3x512x512, {OBJECTS} boxes, labels, areas, iscrowd, "
+                     f"uint8 masks {OBJECTS}x{MASK_SIDE}x{MASK_SIDE}, int id, str filename"),
+        batch_size=16,
+        batches=320,
+        quick_batches=80,
+        sample_bytes=sum(prod(shape) * dtype.itemsize for shape, dtype in DETECTION_FIELDS.values()),
+        make_dataset=lambda length, scratch: DetectionDataset(detection_pool(), length),
+    )
+
+
+def make_jpeg_dataset(length: int, scratch: Path) -> Dataset:
+    import jpeg_folder  # Pillow is needed by this preset only
+
+    return jpeg_folder.JpegFolderDataset(jpeg_folder.ensure_tree(scratch / "jpeg"), length)
+
+
+def jpeg_preset() -> Preset:
+    return Preset(
+        name="jpeg",
+        description="ImageFolder of ~500x375 JPEGs, Pillow decode, random-resized-crop 224 + flip -> uint8 3x224x224",
+        batch_size=128,
+        batches=40,
+        quick_batches=6,
+        sample_bytes=3 * 224 * 224,
+        make_dataset=make_jpeg_dataset,
+    )
+
+
+SIZE_SWEEP = "size-sweep"
+# (name suffix, shape, batches, quick batches): float32 samples of about 1 KB to 12 MB,
+# with epochs of about 2 s for torch at batch 16 (0.5 s with --quick).
+SIZE_SWEEP_POINTS = [
+    ("1k", (1, 16, 16), 2000, 500),
+    ("16k", (1, 64, 64), 1500, 400),
+    ("256k", (1, 256, 256), 600, 150),
+    ("1m", (1, 512, 512), 200, 50),
+    ("4m", (1, 1024, 1024), 60, 15),
+    ("12m", (3, 1024, 1024), 20, 6),
+]
+
+
+def size_sweep_presets() -> list[Preset]:
+    return [tensor_preset(f"{SIZE_SWEEP}-{suffix}", shape, torch.float32, batch_size=16,
+                          batches=batches, quick_batches=quick, family=SIZE_SWEEP)
+            for suffix, shape, batches, quick in SIZE_SWEEP_POINTS]
 
 
 PRESETS = {p.name: p for p in [
@@ -73,4 +173,10 @@ PRESETS = {p.name: p for p in [
     tensor_preset("f32-512", (3, 512, 512), torch.float32, batch_size=32, batches=70, quick_batches=20),
     tensor_preset("uint8-1024", (3, 1024, 1024), torch.uint8, batch_size=16, batches=160, quick_batches=40),
     tensor_preset("tiny", (256,), torch.float32, batch_size=64, batches=4000, quick_batches=1000),
+    multi_field_preset(),
+    jpeg_preset(),
+    *size_sweep_presets(),
 ]}
+# The six workloads of shared/BENCHMARKS.md, which --quick runs; a full run adds the sweep.
+WORKLOADS = ("uint8-224", "f32-512", "uint8-1024", "tiny", "multi-field", "jpeg")
+FAMILIES = {SIZE_SWEEP: tuple(name for name, p in PRESETS.items() if p.family == SIZE_SWEEP)}

@@ -1,0 +1,161 @@
+"""The transport-free limit: the loaders' worker-side work with no hand-off at all.
+
+As many processes as the loaders have workers, started by multiprocessing's default
+method (what torch and shmloader use when multiprocessing_context is None), take the
+same batches of indices in the same round-robin order, fetch them from the same dataset
+object with torch's own fetcher (the dataset's __getitem__ for every index), and collate
+them as torch's default_collate does (torch.stack(..., out=...) per tensor leaf) - but
+into a shared-memory buffer of their own, allocated and touched before any timing and
+reused by every batch. Nothing reaches the main process except one message per worker
+per epoch, so the limit is the cost of the work itself: a loader's fraction of it says
+how much its transport costs. The stacking copy is torch's; shmloader copies plain rows
+with non-temporal stores instead, which is cheaper for samples of megabytes (about 10%
+with two workers on two cores), so it may come out a little above 100% of the limit.
+
+One thing is not left to chance: whether malloc hands a batch's freed samples back to
+the kernel, to be faulted in again, page by page, by the next batch's. That depends on
+what else happens to lie at the top of the heap: the loaders' workers were seen to keep
+the memory while this loop, left alone, lost it on every batch and ran at a fifth of
+their speed on 12 MB samples. The limit's workers therefore
+tell malloc to keep freed memory (keep_freed_memory), so that its per-sample work costs
+what it costs in a loader's worker at best.
+"""
+import contextlib
+import ctypes
+import multiprocessing
+import time
+from math import prod
+from typing import Any
+
+import torch
+from torch.utils.data import _DatasetKind
+from torch.utils.data._utils.collate import collate, default_collate_fn_map
+
+from measure import BenchmarkError, Epoch, Spec, consume
+
+ALIGN = 64  # bytes: each leaf starts on a cache line, as in shmloader's slots
+# glibc's mallopt parameters (malloc.h), and the largest mmap threshold it accepts on
+# 64-bit systems: allocations below it come from the heap, which can be reused.
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_MAX = 32 * 2**20
+NEVER = -1  # as M_TRIM_THRESHOLD: never give the top of the heap back to the kernel
+
+
+def keep_freed_memory() -> None:
+    """Have malloc (glibc's; others are left as they are) keep the memory of freed
+    samples for the next ones, in this process."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+        mallopt(M_TRIM_THRESHOLD, NEVER)
+
+
+def buffer_bytes(spec: Spec) -> int:
+    """Bytes that the tensor leaves of a batch with layout `spec` take, each aligned."""
+    return sum(-(-prod(shape) * dtype.itemsize // ALIGN) * ALIGN for _, shape, dtype in spec)
+
+
+class BufferCollate:
+    """torch's default_collate, except that every tensor it makes is placed in one
+    preallocated buffer, front to back, overwriting the previous batch."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self._buffer = buffer
+        self._used = 0
+        self._map = {**default_collate_fn_map, torch.Tensor: self._stack, int: self._numbers, float: self._numbers}
+
+    def __call__(self, samples: list) -> Any:
+        self._used = 0
+        return collate(samples, collate_fn_map=self._map)
+
+    def _take(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        start = -(-self._used // ALIGN) * ALIGN
+        self._used = start + prod(shape) * dtype.itemsize
+        if self._used > self._buffer.numel():
+            raise RuntimeError(f"a batch needs more than the {self._buffer.numel()} bytes sized from the first one")
+        return self._buffer[start:self._used].view(dtype).view(shape)
+
+    def _stack(self, batch: list[torch.Tensor], *, collate_fn_map=None) -> torch.Tensor:
+        # What collate_tensor_fn does in a worker, with this buffer as `out`.
+        elem = batch[0]
+        return torch.stack(batch, 0, out=self._take(elem.dtype, (len(batch), *elem.shape)))
+
+    def _numbers(self, batch: list, *, collate_fn_map=None) -> torch.Tensor:
+        made = default_collate_fn_map[type(batch[0])](batch)  # torch.tensor(batch), as torch does
+        return self._take(made.dtype, tuple(made.shape)).copy_(made)
+
+
+def _worker(dataset: Any, batches: list[list[int]], nbytes: int, spec: Spec, conn: Any) -> None:
+    """Allocate and touch the buffer, then run an epoch of `batches` per request."""
+    torch.set_num_threads(1)  # as torch's worker loop (and shmloader's) does
+    keep_freed_memory()
+    buffer = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    buffer.fill_(0)  # fault every page in now, not in the first timed epoch
+    fetcher = _DatasetKind.create_fetcher(_DatasetKind.Map, dataset, auto_collation=True,
+                                          collate_fn=BufferCollate(buffer), drop_last=False)
+    try:
+        conn.send("ready")
+        while conn.recv():
+            conn.send(_epoch(fetcher, batches, spec))
+    except KeyboardInterrupt:
+        pass  # Ctrl-C reaches the whole process group: the main process reports it
+
+
+def _epoch(fetcher: Any, batches: list[list[int]], spec: Spec) -> tuple[int, int]:
+    """Fetch and collate every batch; returns (samples, bytes) of the epoch."""
+    samples = total_bytes = 0
+    for indices in batches:
+        batch_samples, batch_bytes = consume(fetcher.fetch(indices), spec)
+        samples += batch_samples
+        total_bytes += batch_bytes
+    return samples, total_bytes
+
+
+class TransportFreeLimit:
+    """The worker processes of the limit; epoch() runs one epoch of every worker and
+    times it from the main process. Use as a context manager: exiting stops them."""
+
+    def __init__(self, dataset: Any, batches: list[list[int]], num_workers: int, spec: Spec):
+        self._batches = len(batches)
+        context = multiprocessing.get_context()
+        self._conns, self._processes = [], []
+        for worker_id in range(num_workers):
+            conn, child_conn = context.Pipe()
+            # Round robin from worker 0, as both loaders dispatch an epoch's batches.
+            process = context.Process(target=_worker, daemon=True, args=(
+                dataset, batches[worker_id::num_workers], buffer_bytes(spec), spec, child_conn))
+            process.start()
+            child_conn.close()
+            self._conns.append(conn)
+            self._processes.append(process)
+        for worker_id in range(num_workers):
+            self._receive(worker_id)  # "ready": its buffer is allocated and touched
+
+    def epoch(self) -> Epoch:
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
+        for conn in self._conns:
+            conn.send(True)
+        results = [self._receive(worker_id) for worker_id in range(len(self._conns))]
+        wall_s = time.perf_counter() - wall_start
+        return Epoch(wall_s, time.process_time() - cpu_start, self._batches,
+                     sum(samples for samples, _ in results), sum(nbytes for _, nbytes in results))
+
+    def _receive(self, worker_id: int) -> Any:
+        try:
+            return self._conns[worker_id].recv()
+        except EOFError:  # the worker is gone; its traceback, if any, is on stderr
+            process = self._processes[worker_id]
+            process.join()
+            raise BenchmarkError(f"limit worker {worker_id} (pid {process.pid}) exited with code "
+                                 f"{process.exitcode}") from None
+
+    def __enter__(self) -> "TransportFreeLimit":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(OSError):  # a worker that died has closed its end
+                conn.send(False)
+        for process in self._processes:
+            process.join()
