@@ -22,7 +22,7 @@ from collections import deque
 from multiprocessing.connection import wait as wait_fds
 
 import torch
-from torch.utils.data import _DatasetKind, _utils
+from torch.utils.data import _utils
 from torch.utils.data.dataloader import (
     IterDataPipe,
     MapDataPipe,

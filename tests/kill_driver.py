@@ -43,6 +43,8 @@ import time
 # At the top, as in a training script: a forkserver then imports torch once (see
 # preload_forkserver) and spawned workers import this module as __mp_main__ anyway.
 from shmloader import DataLoader
+from tests.procs import alive, open_fds, own_children, wait_gone
+from tests.procs import our_segments as segments
 from tests.datasets_lifecycle import (
     FaultOnce,
     Images,
@@ -58,50 +60,6 @@ WATCHDOG_S = 30.0  # between epochs, wait this long for a signal; +5 s: dump sta
 
 def emit(event, **fields):
     print("KD " + json.dumps({"event": event, **fields}), flush=True)
-
-
-def alive(pid):
-    """Running (a zombie counts as gone: it has exited, only its status is left)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def wait_gone(pids, limit):
-    """(pids still alive after up to `limit` s, seconds waited)."""
-    start = time.monotonic()
-    while time.monotonic() - start < limit and any(alive(p) for p in pids):
-        time.sleep(0.02)
-    return [p for p in pids if alive(p)], round(time.monotonic() - start, 3)
-
-
-def open_fds():
-    return len(os.listdir("/proc/self/fd"))
-
-
-def own_children():
-    """This process's live children, less multiprocessing's long-lived helpers
-    (the forkserver and the resource tracker start once and stay)."""
-    me = str(os.getpid())
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        helper = b"forkserver" in cmdline or b"resource_tracker" in cmdline
-        if fields[1] == me and fields[0] != "Z" and not helper:
-            found.append(int(pid))
-    return sorted(found)
-
-
-def segments():
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("shmloader"))
 
 
 def preload_forkserver():

@@ -25,6 +25,7 @@ import time
 
 from shmloader import DataLoader
 from tests.datasets_lifecycle import Images
+from tests.procs import our_segments, own_children
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 FD_SLACK = 2
@@ -46,35 +47,14 @@ def _shm_maps():
         return sum(1 for line in f if " /dev/shm/" in line)
 
 
-def _children():
-    me = str(os.getpid())
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        helper = b"forkserver" in cmdline or b"resource_tracker" in cmdline
-        if fields[1] == me and fields[0] != "Z" and not helper:
-            found.append(int(pid))
-    return sorted(found)
-
-
-def _segments():
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("shmloader"))
-
-
 def _snapshot(children_baseline=None):
     gc.collect()
     if children_baseline is not None:
         # Shutdown joins its workers; allow a moment for anything slower.
         deadline = time.monotonic() + 2.0
-        while len(_children()) > len(children_baseline) and time.monotonic() < deadline:
+        while len(own_children()) > len(children_baseline) and time.monotonic() < deadline:
             time.sleep(0.01)
-    return {"fds": _fds(), "children": _children(), "segments": _segments(),
+    return {"fds": _fds(), "children": own_children(), "segments": our_segments(),
             "shm_maps": _shm_maps(), "rss": _rss()}
 
 
@@ -164,7 +144,7 @@ def test_many_epochs_of_persistent_workers():
     for _ in loader:  # warm-up epoch: starts the workers and sizes the ring
         pass
     watch = _Watch("epochs")
-    watch.base["children"] = _children()  # the persistent workers, which must stay
+    watch.base["children"] = own_children()  # the persistent workers, which must stay
     pids = list(loader._iterator._pool.pids)
     for epoch in range(1, 101):
         # Every other epoch is broken off after 0-3 batches, with tasks in flight.
@@ -187,9 +167,9 @@ def test_many_epochs_of_persistent_workers():
     del loader, _
     gc.collect()
     deadline = time.monotonic() + 5.0
-    while _children() and time.monotonic() < deadline:
+    while own_children() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert _children() == [], "workers left after the loader was deleted"
+    assert own_children() == [], "workers left after the loader was deleted"
     assert stats.ring_full_batches == 0, (
         f"{stats.ring_full_batches} batches found the ring full although the loop held at "
         f"most one batch: {stats}")

@@ -66,6 +66,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.procs import alive, our_segments
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_S = 60.0  # until the driver is ready (spawn on a loaded 2-core machine)
 EVENT_S = 10.0  # from the event to the exit or to the error: more is a hang
@@ -116,21 +118,6 @@ def _worker_matrix():
 
 # ---- /proc, /dev/shm ------------------------------------------------------------
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def _wait_gone(pids, limit):
-    start = time.monotonic()
-    while time.monotonic() - start < limit and any(_alive(p) for p in pids):
-        time.sleep(0.02)
-    return sorted(p for p in pids if _alive(p)), round(time.monotonic() - start, 3)
-
-
 def _descendants(root):
     """Live descendants of `root`, from /proc."""
     parent_of = {}
@@ -144,11 +131,8 @@ def _descendants(root):
     while frontier:
         frontier = {p for p, pp in parent_of.items() if pp in frontier} - found
         found |= frontier
-    return sorted(p for p in found if _alive(p))
+    return sorted(p for p in found if alive(p))
 
-
-def _segments():
-    return {n for n in os.listdir("/dev/shm") if n.startswith("shmloader")}
 
 
 # ---- running the driver ----------------------------------------------------------
@@ -158,7 +142,6 @@ def _segments():
 # it.  KILL_MATRIX_JOBS=1 runs them one at a time.
 
 JOBS = max(1, int(os.environ.get("KILL_MATRIX_JOBS", "3")))
-
 
 def _events(text):
     return [json.loads(line[3:]) for line in text.splitlines() if line.startswith("KD ")]
@@ -186,7 +169,7 @@ def _kill_all(proc, pids):
             pass
         proc.wait()
     for pid in pids:
-        if _alive(pid):
+        if alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -199,7 +182,7 @@ def _gone_times(pids, limit):
     while True:
         now = round(time.monotonic() - start, 3)
         for p in pids:
-            if p not in times and not _alive(p):
+            if p not in times and not alive(p):
                 times[p] = now
         if len(times) == len(pids) or now >= limit:
             return {p: times.get(p) for p in pids}
@@ -211,15 +194,15 @@ def _finish(result, workdir, proc):
     result["out"], result["err"] = _read(workdir / "out"), _read(workdir / "err")
     result["status"] = proc.returncode
     result["new_segments"] = sorted(
-        n for n in _segments() - result.pop("segments0") if str(proc.pid) in n)
-    result["any_new_segments"] = sorted(_segments() - set(result.get("segments_all0", ())))
+        n for n in set(our_segments()) - result.pop("segments0") if str(proc.pid) in n)
+    result["any_new_segments"] = sorted(set(our_segments()) - set(result.get("segments_all0", ())))
     return result
 
 
 def run_main(workdir, ctx, persistent, how, when):
     """One (a) scenario: start the driver, end it by `how` once it is ready."""
     result = {"test": "main", "ctx": ctx, "persistent": persistent, "how": how, "when": when,
-              "segments0": _segments(), "t_start": time.monotonic()}
+              "segments0": set(our_segments()), "t_start": time.monotonic()}
     result["segments_all0"] = sorted(result["segments0"])
     proc = _start(workdir, "main", "--how", "sigint" if how == "sigint_group" else how,
                   "--when", when, "--ctx", ctx, "--persistent", persistent)
@@ -262,7 +245,7 @@ def run_main(workdir, ctx, persistent, how, when):
 def run_worker(workdir, ctx, persistent, fault):
     """One (b) scenario: the driver runs it to the end by itself."""
     result = {"test": "worker", "ctx": ctx, "persistent": persistent, "fault": fault,
-              "segments0": _segments(), "t_start": time.monotonic()}
+              "segments0": set(our_segments()), "t_start": time.monotonic()}
     result["segments_all0"] = sorted(result["segments0"])
     proc = _start(workdir, "worker", "--fault", fault, "--ctx", ctx, "--persistent", persistent)
     watched = []

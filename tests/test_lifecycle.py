@@ -2,50 +2,26 @@
 timeouts, and that no worker or segment outlives the loader however the main
 process ends.  Anything that could hang runs under a hard timeout."""
 import gc
-import pickle
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 
 from shmloader import DataLoader, WorkerDied
 from tests.datasets_lifecycle import Dying, Failing, Images, Sleepy
+from tests.procs import open_fds, our_segments, own_children, wait_gone
 
 HANG = 60  # seconds after which a test counts as hung
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pids, limit=15.0):
-    """The pids still alive after waiting up to `limit` seconds."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
-
-
-def _our_segments():
-    return [n for n in os.listdir("/dev/shm") if n.startswith("shmloader-")]
-
-
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 @pytest.mark.parametrize("how", ["delete", "break", "exhaust", "exception"])
 def test_workers_gone_and_nothing_left(how):
-    fds = _open_fds()
+    fds = open_fds()
     loader = DataLoader(Images(64), batch_size=4, num_workers=2)
     it = iter(loader)
     pids = it._pool.pids
@@ -68,11 +44,11 @@ def test_workers_gone_and_nothing_left(how):
             consume()
         del it, info  # the traceback holds consume's frame and its batch
     gc.collect()
-    assert _wait_gone(pids) == []
-    assert _our_segments() == []
+    assert wait_gone(pids, 15)[0] == []
+    assert our_segments() == []
     del loader  # it keeps its ring (two fds) for its next iterator
     gc.collect()
-    assert _open_fds() <= fds
+    assert open_fds() <= fds
 
 
 def test_persistent_workers_gone_when_loader_deleted():
@@ -82,8 +58,8 @@ def test_persistent_workers_gone_when_loader_deleted():
     pids = loader._iterator._pool.pids
     del loader
     gc.collect()
-    assert _wait_gone(pids) == []
-    assert _our_segments() == []
+    assert wait_gone(pids, 15)[0] == []
+    assert our_segments() == []
 
 
 def test_kept_batches_outlive_loader_unchanged():
@@ -152,14 +128,14 @@ def test_many_iterators_do_not_grow_fds_or_children():
     loader = DataLoader(Images(16), batch_size=4, num_workers=2)
     list(loader)  # sizes the ring, which the loader then keeps
     gc.collect()
-    fds = _open_fds()
+    fds = open_fds()
     for _ in range(5):
         it = iter(loader)
         next(it)
         del it
     gc.collect()
-    assert _open_fds() <= fds
-    assert _our_segments() == []
+    assert open_fds() <= fds
+    assert our_segments() == []
 
 
 # ---- the main process ends abruptly: a separate process we kill ----
@@ -193,8 +169,8 @@ def test_main_process_killed_workers_exit(context, signum):
     finally:
         proc.kill()
         proc.wait()
-    assert _wait_gone(pids) == []
-    assert _our_segments() == []
+    assert wait_gone(pids, 15)[0] == []
+    assert our_segments() == []
 
 
 class _Unpicklable(Images):
@@ -207,30 +183,11 @@ class _Unpicklable(Images):
 def test_unpicklable_dataset_is_clear_error_and_leaves_nothing(context):
     loader = DataLoader(_Unpicklable(8), batch_size=4, num_workers=2,
                         multiprocessing_context=context)
-    children = set(_children())
+    children = set(own_children())
     with pytest.raises((TypeError, AttributeError, pickle.PicklingError)) as e:
         iter(loader)
     message = str(e.value)
     assert "cannot be pickled" in message and f"multiprocessing_context={context!r}" in message
     assert "multiprocessing_context='fork'" in message
     gc.collect()
-    assert _wait_gone(list(set(_children()) - children)) == []
-
-
-def _children():
-    """This process's children, less multiprocessing's long-lived helpers
-    (the forkserver and the resource tracker start once and stay)."""
-    me = str(os.getpid())
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                parent = f.read().rsplit(")", 1)[1].split()[1]
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-            helper = b"forkserver" in cmdline or b"resource_tracker" in cmdline
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if parent == me and not helper:
-            found.append(int(pid))
-    return found
+    assert wait_gone(list(set(own_children()) - children), 15)[0] == []

@@ -1,0 +1,48 @@
+"""What the failure and churn tests look at, read from /proc and /dev/shm."""
+import os
+import time
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie counts as gone: it has exited, only its status is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_gone(pids, limit: float):
+    """(sorted pids still alive after up to `limit` s, seconds waited)."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit and any(alive(p) for p in pids):
+        time.sleep(0.02)
+    return sorted(p for p in pids if alive(p)), round(time.monotonic() - start, 3)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def own_children():
+    """This process's live children, less multiprocessing's long-lived helpers
+    (the forkserver and the resource tracker start once and stay)."""
+    me = str(os.getpid())
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        helper = b"forkserver" in cmdline or b"resource_tracker" in cmdline
+        if fields[1] == me and fields[0] != "Z" and not helper:
+            found.append(int(pid))
+    return sorted(found)
+
+
+def our_segments():
+    """Entries of ours in /dev/shm (there should never be any)."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("shmloader"))
