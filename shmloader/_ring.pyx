@@ -77,11 +77,6 @@ cdef class Ring:
         _check(rc, "attaching shared-memory ring")
         return ring
 
-    def close_fds(self):
-        """Close the segment fd and eventfd (idempotent); the mapping stays
-        valid for as long as this Ring or any slot view of it lives."""
-        shmring_close_fds(self._r)
-
     @property
     def nslots(self):
         return shmring_nslots(self._r)
