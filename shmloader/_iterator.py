@@ -63,8 +63,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._shutdown = False
         self._owner_pid = os.getpid()
         self._ring = None
-        self._next_task_id = 0
-        self._epoch_base = 0
+        self._epoch_base = 0  # task id of this epoch's first task
+        self._send_idx = 0
         self._arrivals = deque()
         self._nslots = self._options.num_slots or self._prefetch_factor * self._num_workers + SPARE_SLOTS
 
@@ -127,7 +127,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
 
     def _reset(self, loader, first_iter=False) -> None:
         super()._reset(loader, first_iter)
-        self._epoch_base = self._next_task_id
+        self._epoch_base += self._send_idx  # task ids stay unique across epochs
         self._send_idx = 0  # epoch index of the next task to send
         self._rcvd_idx = 0  # epoch index of the next batch to yield
         self._task_info = {}  # epoch index -> (worker_id,) or (worker_id, data)
@@ -189,7 +189,6 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             return
         task_id = self._epoch_base + self._send_idx
         self._pool.send(worker_id, ("task", task_id, index, self._claim_slot()))
-        self._next_task_id = task_id + 1
         self._task_info[self._send_idx] = (worker_id,)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1
@@ -296,10 +295,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             self._tasks_outstanding -= 1
             if _kind(data) == "stop":
                 worker_id = self._task_info[idx][0]
-                if self._persistent_workers:
-                    self._workers_status[worker_id] = False
-                else:
-                    self._workers_status[worker_id] = False
+                self._workers_status[worker_id] = False
+                if not self._persistent_workers:
                     self._pool.stop(worker_id)
                 self._try_put_index()
                 continue
