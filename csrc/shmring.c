@@ -36,15 +36,27 @@ struct shmring_header {
 
 struct shmring_slot {
     _Atomic uint32_t state; /* enum shmring_state */
-    uint32_t pad;
-    uint64_t seq;      /* written by the producer before publish */
-    uint64_t meta_off; /* idem: where the metadata lies inside the slot */
+    uint32_t nrows;         /* rows of a batch filled row by row (rows_begin) */
+    uint64_t seq;           /* written by the producer before publish */
+    uint64_t meta_off;      /* idem: where the metadata lies inside the slot */
     uint64_t meta_len;
-    char pad1[CACHE_LINE - 4 * 8];
+    /* Row-by-row batches: set by the consumer in rows_begin while CLAIMED,
+     * before it tells any producer about the slot. */
+    _Atomic uint32_t next_row;    /* fetch_add by producers: the next unclaimed row */
+    _Atomic uint32_t rows_done;   /* fetch_add (acq_rel) by producers per row written */
+    _Atomic uint32_t rows_failed; /* rows whose sample raised instead */
+    char pad1[CACHE_LINE - 4 * 8 - 3 * 4];
+};
+
+/* Per-worker counters, added to by that worker (relaxed: totals only). */
+struct shmring_worker {
+    _Atomic uint64_t counters[SHMRING_WORKER_COUNTERS];
+    char pad[CACHE_LINE - SHMRING_WORKER_COUNTERS * 8];
 };
 
 _Static_assert(sizeof(struct shmring_header) == 2 * CACHE_LINE, "header layout");
 _Static_assert(sizeof(struct shmring_slot) == CACHE_LINE, "slot layout");
+_Static_assert(sizeof(struct shmring_worker) == CACHE_LINE, "worker layout");
 
 struct shmring {
     char *base;
@@ -53,14 +65,19 @@ struct shmring {
     int efd;
     struct shmring_header *hdr;
     struct shmring_slot *slots;
+    struct shmring_worker *workers;
 };
 
 static uint64_t round_up(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
 
 static uint64_t page_size(void) { return (uint64_t)sysconf(_SC_PAGESIZE); }
 
+static uint64_t workers_offset(uint32_t nslots) {
+    return sizeof(struct shmring_header) + (uint64_t)nslots * sizeof(struct shmring_slot);
+}
+
 static uint64_t data_offset(uint32_t nslots) {
-    return round_up(sizeof(struct shmring_header) + (uint64_t)nslots * sizeof(struct shmring_slot),
+    return round_up(workers_offset(nslots) + SHMRING_MAX_WORKERS * sizeof(struct shmring_worker),
                     page_size());
 }
 
@@ -81,6 +98,7 @@ static int map_segment(int fd, int efd, uint64_t bytes, shmring_t **out) {
     r->efd = efd;
     r->hdr = (struct shmring_header *)base;
     r->slots = (struct shmring_slot *)(r->base + sizeof(struct shmring_header));
+    r->workers = NULL; /* set once the geometry is known (init or attach) */
     *out = r;
     return 0;
 }
@@ -149,6 +167,7 @@ static int init_segment(int fd, uint32_t nslots, uint64_t slot_bytes, shmring_t 
     h->header_bytes = sizeof(struct shmring_header);
     atomic_init(&h->consumer_sleeping, 0);
     for (uint32_t i = 0; i < nslots; i++) atomic_init(&(*out)->slots[i].state, SHMRING_FREE);
+    (*out)->workers = (struct shmring_worker *)((*out)->base + workers_offset(nslots));
     /* The magic goes last, with release order: an attacher that sees it sees
      * a complete header. */
     atomic_store_explicit(&h->magic, SHMRING_MAGIC, memory_order_release);
@@ -199,6 +218,7 @@ int shmring_attach(int fd, int efd, shmring_t **out) {
         *out = NULL;
         return -err;
     }
+    (*out)->workers = (struct shmring_worker *)((*out)->base + workers_offset(h->nslots));
     return 0;
 }
 
@@ -268,6 +288,79 @@ int shmring_publish(shmring_t *r, uint32_t slot, uint64_t seq, uint64_t meta_off
         /* EAGAIN means the counter is saturated: the consumer is woken anyway. */
         if (write(r->efd, &one, sizeof(one)) < 0 && errno != EAGAIN) return -errno;
     }
+    return 0;
+}
+
+int shmring_rows_begin(shmring_t *r, uint32_t slot, uint64_t seq, uint32_t nrows,
+                       uint32_t first_row) {
+    if (slot >= r->hdr->nslots) return -EINVAL;
+    if (nrows == 0 || first_row >= nrows) return -EINVAL;
+    struct shmring_slot *s = &r->slots[slot];
+    if (atomic_load_explicit(&s->state, memory_order_acquire) != SHMRING_CLAIMED) return -EBUSY;
+    s->seq = seq;
+    s->nrows = nrows;
+    s->meta_off = 0;
+    s->meta_len = 0;
+    atomic_store_explicit(&s->next_row, first_row, memory_order_relaxed);
+    atomic_store_explicit(&s->rows_failed, 0, memory_order_relaxed);
+    atomic_store_explicit(&s->rows_done, 0, memory_order_release);
+    return 0;
+}
+
+int shmring_row_claim(shmring_t *r, uint32_t slot, uint32_t *row) {
+    if (slot >= r->hdr->nslots) return -EINVAL;
+    struct shmring_slot *s = &r->slots[slot];
+    uint32_t next = atomic_load_explicit(&s->next_row, memory_order_relaxed);
+    /* A CAS loop rather than fetch_add, so that next_row never runs past
+     * nrows however often exhausted claims are retried. */
+    do {
+        if (next >= s->nrows) return -EAGAIN;
+    } while (!atomic_compare_exchange_weak_explicit(&s->next_row, &next, next + 1,
+                                                    memory_order_relaxed, memory_order_relaxed));
+    *row = next;
+    return 0;
+}
+
+int shmring_row_done(shmring_t *r, uint32_t slot, int failed) {
+    if (slot >= r->hdr->nslots) return -EINVAL;
+    struct shmring_slot *s = &r->slots[slot];
+    if (failed) atomic_fetch_add_explicit(&s->rows_failed, 1, memory_order_relaxed);
+    /* acq_rel: the producer that writes the last row sees every other row's
+     * bytes, and its seq_cst publish passes them all on to the consumer. */
+    uint32_t done = atomic_fetch_add_explicit(&s->rows_done, 1, memory_order_acq_rel) + 1;
+    if (done > s->nrows) return -ERANGE;
+    if (done < s->nrows) return 0;
+    int rc = shmring_publish(r, slot, s->seq, 0, 0);
+    return rc ? rc : 1;
+}
+
+int shmring_slot_rows(const shmring_t *r, uint32_t slot, uint32_t *nrows, uint32_t *failed) {
+    if (slot >= r->hdr->nslots) return -EINVAL;
+    const struct shmring_slot *s = &r->slots[slot];
+    *nrows = s->nrows;
+    *failed = atomic_load_explicit(&s->rows_failed, memory_order_relaxed);
+    return 0;
+}
+
+int shmring_count_free(const shmring_t *r) {
+    int n = 0;
+    for (uint32_t i = 0; i < r->hdr->nslots; i++)
+        n += atomic_load_explicit(&r->slots[i].state, memory_order_relaxed) == SHMRING_FREE;
+    return n;
+}
+
+int shmring_worker_add(shmring_t *r, uint32_t worker, const uint64_t add[SHMRING_WORKER_COUNTERS]) {
+    if (worker >= SHMRING_MAX_WORKERS) return -EINVAL;
+    for (int i = 0; i < SHMRING_WORKER_COUNTERS; i++)
+        if (add[i]) atomic_fetch_add_explicit(&r->workers[worker].counters[i], add[i],
+                                              memory_order_relaxed);
+    return 0;
+}
+
+int shmring_worker_read(const shmring_t *r, uint32_t worker, uint64_t out[SHMRING_WORKER_COUNTERS]) {
+    if (worker >= SHMRING_MAX_WORKERS) return -EINVAL;
+    for (int i = 0; i < SHMRING_WORKER_COUNTERS; i++)
+        out[i] = atomic_load_explicit(&r->workers[worker].counters[i], memory_order_relaxed);
     return 0;
 }
 

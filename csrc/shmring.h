@@ -12,6 +12,7 @@
  *   0        struct shmring_header   magic, version, geometry, owner (64 bytes),
  *                                    consumer_sleeping (own cache line, 64 bytes)
  *   128      struct shmring_slot[n]  one 64-byte descriptor per slot
+ *            struct shmring_worker[SHMRING_MAX_WORKERS]  64-byte counters each
  *   data_off slot 0 data             page-aligned, slot_bytes long
  *            slot 1 data             data_off + 1 * slot_bytes
  *            ...
@@ -30,6 +31,13 @@
  * acquire.  release/abandon store FREE with release order so the consumer's
  * next claim (acquire CAS) sees the slot's previous readers finished.
  *
+ * Row-by-row batches (several producers fill one slot, a row each).  The
+ * consumer claims the slot and sets its row count with rows_begin before any
+ * producer hears of it.  Producers take rows (row_claim, a CAS on next_row, or
+ * rows the caller assigns itself), write them, and call row_done: an acq_rel
+ * fetch_add on rows_done, so the producer that completes the count has seen
+ * every row and publishes the slot for all of them.
+ *
  * Sleeping (an eventcount).  The consumer sets consumer_sleeping (seq_cst),
  * rechecks for READY slots, then poll()s the eventfd together with any fds the
  * caller adds (worker pipes, process sentinels: so a worker's death wakes it)
@@ -46,8 +54,10 @@
 #include <stdint.h>
 
 #define SHMRING_MAGIC 0x474e49524d485321ULL /* "!SHMRING" little-endian */
-#define SHMRING_VERSION 1u
+#define SHMRING_VERSION 2u
 #define SHMRING_MAX_SLOTS 4096u
+#define SHMRING_MAX_WORKERS 256u    /* workers with counters; more still work, uncounted */
+#define SHMRING_WORKER_COUNTERS 4   /* what each counts is the caller's business */
 
 enum shmring_state {
     SHMRING_FREE = 0,
@@ -111,6 +121,30 @@ int shmring_acquire(shmring_t *r, uint32_t *slot, uint64_t *seq, uint64_t *meta_
 
 /* Consumer: READING -> FREE once nothing views the slot any more. */
 int shmring_release(shmring_t *r, uint32_t slot);
+
+/* Consumer: make a CLAIMED slot a batch of `nrows` rows filled by producers;
+ * rows below `first_row` are someone's already (row_claim starts there). */
+int shmring_rows_begin(shmring_t *r, uint32_t slot, uint64_t seq, uint32_t nrows,
+                       uint32_t first_row);
+
+/* Producer: take the next unclaimed row of a row-by-row slot; -EAGAIN when
+ * every row is taken. */
+int shmring_row_claim(shmring_t *r, uint32_t slot, uint32_t *row);
+
+/* Producer: one row written (failed: its sample raised instead).  Returns 1
+ * when it was the last row and the slot is now published, else 0. */
+int shmring_row_done(shmring_t *r, uint32_t slot, int failed);
+
+/* Consumer, after acquire: the row count and how many rows failed. */
+int shmring_slot_rows(const shmring_t *r, uint32_t slot, uint32_t *nrows, uint32_t *failed);
+
+/* How many slots are FREE now (a snapshot, for statistics). */
+int shmring_count_free(const shmring_t *r);
+
+/* Per-worker counters: add to them (producer) or read them (consumer). */
+int shmring_worker_add(shmring_t *r, uint32_t worker, const uint64_t add[SHMRING_WORKER_COUNTERS]);
+int shmring_worker_read(const shmring_t *r, uint32_t worker,
+                        uint64_t out[SHMRING_WORKER_COUNTERS]);
 
 /* Consumer: sleep until a slot may be READY, one of `fds` has an event, or
  * `timeout_ms` passes (-1: no timeout).  Returns 0 on a wake-up (revents of

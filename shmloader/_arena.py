@@ -127,7 +127,7 @@ class Measure:
 
 def slot_bytes_needed(batch) -> int:
     measure = Measure()
-    meta = _layout.dumps(batch, measure.place)
+    meta = _layout.dumps(batch, measure.place, 0)
     return (measure.used + ALIGN - 1) // ALIGN * ALIGN + len(meta)
 
 

@@ -8,6 +8,14 @@ torch's.  The difference: each task is sent with a ring slot claimed for it;
 its batch comes back as a published slot whose tensors the main process views
 in place.  Tasks carry ids unique over the iterator's life, so results of an
 earlier epoch (persistent workers) are recognised and dropped.
+
+Beyond torch (all opt-in, see DataLoader): fetch="sample" sends each batch to
+every worker, which fill its slot row by row (_worker.py, _samples.py); the
+first sample of the loader is fetched alone first (a "probe") to fix the
+layout and size the ring.  prefetch_next_epoch keeps dispatching, when the
+sampler runs out, the next epoch's batches; they are numbered on from this
+epoch's (epoch index >= _next_epoch_at) and adopted by the next _reset if the
+sampler still describes the epoch they were drawn for (_SamplerState).
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ from torch.utils.data.dataloader import (
 from . import _layout
 from ._pool import WorkerDied, WorkerPool
 from ._rings import create_ring
+from ._sampler_state import SamplerState
 from ._worker import MEASURE, NO_SLOT
 
 # Slots beyond the prefetch_factor * num_workers batches in flight: the batch
@@ -60,12 +69,16 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._in_order = loader.in_order
         self._counters = loader._counters
         self._options = loader._shm_options
+        self._fetch = loader.fetch
+        self._prefetch_next_epoch = loader.prefetch_next_epoch
+        self._loader = loader
         self._shutdown = False
         self._owner_pid = os.getpid()
         self._ring = None
         self._epoch_base = 0  # task id of this epoch's first task
         self._send_idx = 0
         self._arrivals = deque()
+        self._row_errors = {}  # fetch="sample": task id -> {row: ExceptionWrapper}
         self._nslots = self._options.num_slots or self._prefetch_factor * self._num_workers + SPARE_SLOTS
 
         ctx = loader.multiprocessing_context or torch.multiprocessing
@@ -87,25 +100,58 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 worker_id=i,
                 num_workers=self._num_workers,
                 shared_seed=self._shared_seed,
+                seed_per_sample=loader.seed_per_sample,
+                assignment=loader.assignment,
                 manager_pid=os.getpid(),
             )
             for i in range(self._num_workers)
         ])
-        slot_bytes = self._options.slot_bytes or self._options.learned_slot_bytes
-        if slot_bytes:
-            self._start_ring(slot_bytes)
+        self._next_epoch_at = None  # epoch index of the next epoch's first task
+        self._next_epoch_state = None  # SamplerState it was drawn with
+        if self._fetch == "sample":
+            if self._options.sample_layout is not None:
+                self._start_ring(self._options.sample_layout.slot_bytes)
+        else:
+            slot_bytes = self._options.slot_bytes or self._options.learned_slot_bytes
+            if slot_bytes:
+                self._start_ring(slot_bytes)
         self._reset(loader, first_iter=True)
 
     # ---- ring -------------------------------------------------------------
 
     def _start_ring(self, slot_bytes: int) -> None:
+        slot_bytes = max(slot_bytes, self._options.slot_bytes or 0)
         self._ring = self._options.take_spare_ring(self._nslots, slot_bytes)
         if self._ring is None:
             self._ring = create_ring(self._nslots, slot_bytes)
         self._pool.send_ring(self._ring)
-        self._counters.ring_slots = self._ring.nslots
-        self._counters.slot_bytes = self._ring.slot_bytes
+        if self._fetch == "sample":
+            self._pool.broadcast(("layout", self._options.sample_layout))
+        self._counters.use_ring(self._ring, self._num_workers)
 
+    def _learn_layout(self, task_id, index, worker_id, epoch, position):
+        """fetch="sample": have one worker fetch a batch's first sample and
+        describe the layout it fixes; then make the ring.  Returns None, or
+        the probe's error (which becomes this batch's result)."""
+        capacity = self._loader.batch_size or len(index)
+        self._pool.send(worker_id, ("probe", task_id, index[0], epoch, position, capacity))
+        while True:
+            arrived, payload = self._next_arrival()
+            if arrived == task_id:
+                break
+            _discard(payload)
+        if _kind(payload) == "error":
+            return payload
+        layout = payload[2]
+        if self._options.slot_bytes is not None and self._options.slot_bytes < layout.slot_bytes:
+            raise ValueError(
+                f"slot_bytes={self._options.slot_bytes} is too small for fetch='sample' "
+                f"batches of {capacity} samples of {layout.sample_bytes} bytes each: "
+                f"{layout.slot_bytes} bytes are needed. Pass slot_bytes >= {layout.slot_bytes}, "
+                "or leave it None.")
+        self._options.sample_layout = layout
+        self._start_ring(layout.slot_bytes)
+        return None
     def _claim_slot(self) -> int:
         if self._ring is None:
             return MEASURE
@@ -126,7 +172,13 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     # ---- epochs -----------------------------------------------------------
 
     def _reset(self, loader, first_iter=False) -> None:
+        self._epoch_started = time.perf_counter()
+        if self._next_epoch_at is not None and self._next_epoch_state.holds(loader):
+            self._adopt_next_epoch()
+            return
         super()._reset(loader, first_iter)
+        self._epoch = loader._next_epoch()  # numbers epochs for seed_per_sample
+        self._position = 0  # epoch position of the next sample to dispatch
         self._epoch_base += self._send_idx  # task ids stay unique across epochs
         self._send_idx = 0  # epoch index of the next task to send
         self._rcvd_idx = 0  # epoch index of the next batch to yield
@@ -135,11 +187,45 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        self._next_epoch_at = self._next_epoch_state = None
         with self._failing_workers():
             if not first_iter:
                 self._resume_workers()
             for _ in range(self._prefetch_factor * self._num_workers):
                 self._try_put_index()
+
+    def _start_next_epoch(self) -> bool:
+        """prefetch_next_epoch: the sampler ran out; go on with the next
+        epoch's sampler (set_epoch(e + 1) where it has one).  False when
+        there is nothing to prefetch."""
+        if not self._prefetch_next_epoch or self._next_epoch_at is not None:
+            return False
+        self._next_epoch_at = self._send_idx
+        loader = self._loader
+        self._epoch = loader._next_epoch()
+        SamplerState.advance_epoch(loader, self._epoch)
+        self._sampler_iter = iter(self._index_sampler)
+        self._position = 0
+        self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        return True
+
+    def _adopt_next_epoch(self) -> None:
+        """Make the prefetched epoch the current one: its tasks are renumbered
+        from 0 and everything about them (in flight, arrived) is kept."""
+        shift = self._next_epoch_at
+        self._epoch_base += shift
+        self._send_idx -= shift
+        self._rcvd_idx = 0
+        self._task_info = {i - shift: info for i, info in self._task_info.items()}
+        self._num_yielded = 0
+        self._next_epoch_at = self._next_epoch_state = None
+        self._counters.prefetched_epochs += 1
+        with self._failing_workers():
+            while self._tasks_outstanding < self._prefetch_factor * self._num_workers:
+                sent = self._send_idx
+                self._try_put_index()
+                if self._send_idx == sent:
+                    break
 
     def _resume_workers(self) -> None:
         """Start persistent workers on a new epoch, dropping the old one's
@@ -177,7 +263,15 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         try:
             index = self._next_index()
         except StopIteration:
-            return
+            if not self._start_next_epoch():
+                return
+            try:
+                index = self._next_index()
+            except StopIteration:
+                return
+            # The sampler's state right after its first draw: what the next
+            # iter() must still find for these batches to be that epoch's.
+            self._next_epoch_state = SamplerState.capture(self._loader)
         for _ in range(self._num_workers):  # find the next active worker, if any
             worker_id = next(self._worker_queue_idx_cycle)
             if self._workers_status[worker_id]:
@@ -188,11 +282,39 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         else:
             return
         task_id = self._epoch_base + self._send_idx
-        self._pool.send(worker_id, ("task", task_id, index, self._claim_slot()))
-        self._task_info[self._send_idx] = (worker_id,)
+        position = self._position
+        self._position += len(index) if self._auto_collation else 1
+        early = self._dispatch(worker_id, task_id, index, position)
         self._workers_num_tasks[worker_id] += 1
-        self._tasks_outstanding += 1
+        if early is None:
+            self._task_info[self._send_idx] = (worker_id,)
+            self._tasks_outstanding += 1
+        else:  # its result is already here
+            self._task_info[self._send_idx] = (worker_id, early)
         self._send_idx += 1
+
+    def _dispatch(self, worker_id, task_id, index, position):
+        """Send one batch's task: to every worker (fetch="sample": rows of
+        one slot) or to worker_id (a whole batch).  Returns None, or the
+        batch's result if it is known at once (its first sample failed
+        before there was a layout)."""
+        epoch = self._epoch
+        first_row = 0
+        if self._fetch == "sample" and self._options.sample_layout is None:
+            error = self._learn_layout(task_id, index, worker_id, epoch, position)
+            if error is not None:
+                return error
+            first_row = 1  # the probed sample: the probing worker's row 0
+        slot = self._claim_slot()
+        if self._fetch == "sample" and slot >= 0 and \
+                len(index) <= self._options.sample_layout.capacity:
+            self._ring.rows_begin(slot, task_id, len(index), first_row)
+            self._pool.broadcast(("rows", task_id, slot, index, epoch, position, first_row))
+        else:
+            # Everything else goes whole to one worker (a batch bigger than
+            # the layout's rows is collated into the slot, or spills).
+            self._pool.send(worker_id, ("task", task_id, index, slot, epoch, position))
+        return None
 
     # ---- receiving ----------------------------------------------------------
 
@@ -233,8 +355,28 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             arrivals.append(self._accept(worker_id, msg))
         if messages:
             arrivals.extend((lease.seq, lease) for lease in self._acquire_all())
+        more = []  # messages read while waiting for row errors
+        arrivals = [self._with_row_errors(a, more) for a in arrivals if a is not None]
+        arrivals += more
         arrivals.sort(key=lambda a: -1 if a[0] is None else a[0])
         self._arrivals.extend(arrivals)
+
+    def _with_row_errors(self, arrival, more):
+        """A fetch="sample" slot with failed rows becomes the error of its
+        first failed row.  Each row's error was sent before that row counted
+        as done, so all of them are in the pipes by now."""
+        task_id, payload = arrival
+        if _kind(payload) != "slot" or not payload.failed_rows:
+            return arrival
+        errors = self._row_errors.setdefault(task_id, {})
+        while len(errors) < payload.failed_rows:
+            for worker_id, msg in self._pool.receive(self._ring.wait(0, self._pool.wait_fds)):
+                other = self._accept(worker_id, msg)
+                if other is not None:
+                    more.append(other)
+        del self._row_errors[task_id]
+        payload.release()
+        return task_id, ("error", task_id, errors[min(errors)])
 
     def _acquire_all(self):
         leases = []
@@ -244,10 +386,14 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         return leases
 
     def _accept(self, worker_id, msg):
-        """The arrival (task_id or None, msg) for a worker's pipe message."""
+        """The arrival (task_id or None, msg) for a worker's pipe message, or
+        None for a row's error (kept until its slot arrives)."""
         kind = msg[0]
         if kind == "resumed":
             return None, msg
+        if kind == "row_error":
+            self._row_errors.setdefault(msg[1], {})[msg[2]] = msg[3]
+            return None
         if kind == "batch" and msg[2] == "no_ring" and self._options.learned_slot_bytes is None:
             # The first batch sizes the ring, with headroom for batches that
             # vary a little; bigger ones spill.  The ring is made at the next
@@ -266,14 +412,24 @@ class ShmLoaderIter(_BaseDataLoaderIter):
 
     def _next_data(self):
         with self._failing_workers():
-            return self._next_batch()
+            batch = self._next_batch()
+        counters = self._counters
+        now = time.perf_counter()
+        counters.wall_seconds += now - self._epoch_started
+        self._epoch_started = now
+        if self._ring is not None:
+            in_use = self._ring.nslots - self._ring.count_free()
+            counters.occupancy_sum += in_use
+            counters.occupancy_max = max(counters.occupancy_max, in_use)
+        return batch
 
     def _next_batch(self):
         if self._ring is None and self._options.learned_slot_bytes is not None:
             self._start_ring(self._options.learned_slot_bytes)
+        end = self._send_idx if self._next_epoch_at is None else self._next_epoch_at
         while True:
             # Skip tasks of workers that became inactive without an answer.
-            while self._rcvd_idx < self._send_idx:
+            while self._rcvd_idx < end:
                 info = self._task_info.get(self._rcvd_idx)
                 if info:
                     if len(info) == 2 or self._workers_status[info[0]]:
@@ -301,7 +457,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 self._try_put_index()
                 continue
             if idx != self._rcvd_idx:
-                if not self._in_order:
+                if not self._in_order and (self._next_epoch_at is None or
+                                           idx < self._next_epoch_at):
                     worker_id = self._task_info.pop(idx)[0]
                     return self._process_data(data, worker_id)
                 self._task_info[idx] += (data,)
@@ -332,11 +489,17 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             else:
                 counters.spilled_batches += 1
                 self._warn_spill()
+            counters.samples += data[5]
             return data[3]
         lease = data  # a SlotLease
-        batch, fallback_leaves = _layout.loads(lease.meta(), lease)
+        if lease.meta_len == 0:  # filled row by row (fetch="sample")
+            meta = self._options.sample_layout.meta(lease.rows)
+        else:
+            meta = lease.meta()
+        batch, fallback_leaves, samples = _layout.loads(meta, lease)
         counters.slot_batches += 1
         counters.fallback_leaves += fallback_leaves
+        counters.samples += samples
         return batch
 
     def _warn_spill(self) -> None:

@@ -59,14 +59,31 @@ class _RefPickler(ForkingPickler):
         return None
 
 
-def dumps(batch, place) -> bytes:
+def dumps(batch, place, samples: int) -> bytes:
     """Pickle `batch`, turning slot-able leaves into place(leaf) references,
-    followed by a second pickle: how many tensor-like leaves could not be
-    placed and travel through torch's pickling instead."""
+    followed by a second pickle: (how many tensor-like leaves could not be
+    placed and travel through torch's pickling instead, samples in the batch)."""
     buf = io.BytesIO()
     pickler = _RefPickler(buf, place)
     pickler.dump(batch)
-    pickler.dump(pickler.fallback_leaves)
+    pickler.dump((pickler.fallback_leaves, samples))
+    return buf.getvalue()
+
+
+class _TemplatePickler(pickle.Pickler):
+    def __init__(self, file, ref_of):
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self.persistent_id = ref_of
+
+
+def dumps_refs(structure, ref_of, samples: int) -> bytes:
+    """Metadata for a batch whose leaves are already in the slot: `structure`
+    holds placeholders for which ref_of(obj) gives the slot reference (None
+    for everything else)."""
+    buf = io.BytesIO()
+    pickler = _TemplatePickler(buf, ref_of)
+    pickler.dump(structure)
+    pickler.dump((0, samples))
     return buf.getvalue()
 
 
@@ -151,6 +168,9 @@ def _inside(offset, shape, strides, itemsize, size) -> bool:
 
 def loads(meta: bytes, slot_buffer):
     """Rebuild a batch from its metadata, its leaves viewing `slot_buffer`.
-    Returns (batch, number of leaves that came through torch's pickling)."""
+    Returns (batch, number of leaves that came through torch's pickling,
+    samples in the batch)."""
     unpickler = _RefUnpickler(io.BytesIO(meta), slot_buffer)
-    return unpickler.load(), unpickler.load()
+    batch = unpickler.load()
+    fallback_leaves, samples = unpickler.load()
+    return batch, fallback_leaves, samples

@@ -98,6 +98,17 @@ class WorkerPool:
             self.raise_if_dead()
             raise
 
+    def broadcast(self, msg) -> None:
+        """Send one message to every worker not told to exit (pickled once)."""
+        data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+        for i, conn in enumerate(self._tasks):
+            if i not in self._exiting:
+                try:
+                    conn.send_bytes(data)
+                except OSError:
+                    self.raise_if_dead()
+                    raise
+
     def send_ring(self, ring) -> None:
         """Hand the ring's fds to every worker (SCM_RIGHTS over its socket)."""
         for i, conn in enumerate(self._tasks):

@@ -23,6 +23,8 @@ cdef extern from "shmring.h" nogil:
         SHMRING_READY
         SHMRING_READING
         SHMRING_MAX_SLOTS
+        SHMRING_MAX_WORKERS
+        SHMRING_WORKER_COUNTERS
 
     int shmring_create_in(const char *dir, uint32_t nslots, uint64_t slot_bytes, shmring_t **out)
     int shmring_create_named(const char *name, uint32_t nslots, uint64_t slot_bytes, shmring_t **out)
@@ -41,5 +43,12 @@ cdef extern from "shmring.h" nogil:
     int shmring_abandon(shmring_t *r, uint32_t slot)
     int shmring_acquire(shmring_t *r, uint32_t *slot, uint64_t *seq, uint64_t *meta_off, uint64_t *meta_len)
     int shmring_release(shmring_t *r, uint32_t slot)
+    int shmring_rows_begin(shmring_t *r, uint32_t slot, uint64_t seq, uint32_t nrows, uint32_t first_row)
+    int shmring_row_claim(shmring_t *r, uint32_t slot, uint32_t *row)
+    int shmring_row_done(shmring_t *r, uint32_t slot, int failed)
+    int shmring_slot_rows(const shmring_t *r, uint32_t slot, uint32_t *nrows, uint32_t *failed)
+    int shmring_count_free(const shmring_t *r)
+    int shmring_worker_add(shmring_t *r, uint32_t worker, const uint64_t *add)
+    int shmring_worker_read(const shmring_t *r, uint32_t worker, uint64_t *out)
     int shmring_wait(shmring_t *r, int timeout_ms, pollfd *fds, int nfds)
     void shmring_copy_stream(void *dst, const void *src, uint64_t n)

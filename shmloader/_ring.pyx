@@ -24,6 +24,8 @@ CLAIMED = SHMRING_CLAIMED
 READY = SHMRING_READY
 READING = SHMRING_READING
 MAX_SLOTS = SHMRING_MAX_SLOTS
+MAX_WORKERS = SHMRING_MAX_WORKERS
+WORKER_COUNTERS = SHMRING_WORKER_COUNTERS
 
 
 cdef int _check(int rc, str what) except -1:
@@ -126,7 +128,46 @@ cdef class Ring:
         lease.seq = seq
         lease.meta_off = meta_off
         lease.meta_len = meta_len
+        shmring_slot_rows(self._r, slot, &lease.rows, &lease.failed_rows)
         return lease
+
+    def rows_begin(self, uint32_t slot, uint64_t seq, uint32_t nrows, uint32_t first_row=0):
+        """Make CLAIMED `slot` a batch of `nrows` rows that producers fill
+        (rows below first_row are already someone's)."""
+        _check(shmring_rows_begin(self._r, slot, seq, nrows, first_row),
+               f"starting rows of slot {slot} (must be CLAIMED, 0 <= first_row < nrows)")
+
+    def row_claim(self, uint32_t slot):
+        """The next unclaimed row of `slot`, or None when all are taken."""
+        cdef uint32_t row
+        cdef int rc = shmring_row_claim(self._r, slot, &row)
+        if rc == -EAGAIN:
+            return None
+        _check(rc, f"claiming a row of slot {slot}")
+        return row
+
+    def row_done(self, uint32_t slot, bint failed=False):
+        """One row written (or failed); True when that published the slot."""
+        return _check(shmring_row_done(self._r, slot, failed),
+                      f"finishing a row of slot {slot}") == 1
+
+    def count_free(self):
+        return shmring_count_free(self._r)
+
+    def worker_add(self, uint32_t worker, uint64_t a, uint64_t b, uint64_t c, uint64_t d):
+        """Add to worker `worker`'s counters (ignored past MAX_WORKERS)."""
+        cdef uint64_t add[SHMRING_WORKER_COUNTERS]
+        if worker < SHMRING_MAX_WORKERS:
+            add[0], add[1], add[2], add[3] = a, b, c, d
+            shmring_worker_add(self._r, worker, add)
+
+    def worker_read(self, uint32_t worker):
+        """Worker `worker`'s counters, a tuple (zeros past MAX_WORKERS)."""
+        cdef uint64_t out[SHMRING_WORKER_COUNTERS]
+        if worker >= SHMRING_MAX_WORKERS:
+            return (0,) * SHMRING_WORKER_COUNTERS
+        shmring_worker_read(self._r, worker, out)
+        return tuple(out[i] for i in range(SHMRING_WORKER_COUNTERS))
 
     def release(self, uint32_t slot):
         _check(shmring_release(self._r, slot), f"releasing slot {slot} (must be READING)")
@@ -235,6 +276,8 @@ cdef class SlotLease(SlotMemory):
     cdef readonly uint64_t seq
     cdef readonly uint64_t meta_off
     cdef readonly uint64_t meta_len
+    cdef readonly uint32_t rows         # row-by-row batches: rows, and those
+    cdef readonly uint32_t failed_rows  # whose sample raised
     cdef bint _released
 
     def meta(self):

@@ -8,6 +8,7 @@ import secrets
 from dataclasses import dataclass
 
 from ._ring import CLAIMED, Ring
+from ._samples import SampleLayout
 
 SHM_DIR = "/dev/shm"
 # Optional cap, in bytes, on one ring's shared memory: a ring that would be
@@ -80,6 +81,7 @@ class RingOptions:
     slot_bytes: int | None
     num_slots: int | None
     learned_slot_bytes: int | None = None
+    sample_layout: SampleLayout | None = None  # fetch="sample", once probed
     spare_ring: Ring | None = None
 
     def take_spare_ring(self, nslots: int, slot_bytes: int) -> Ring | None:

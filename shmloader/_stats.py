@@ -1,59 +1,140 @@
-"""What a loader did: always on, a handful of integer additions per batch."""
+"""What a loader did: always on, a handful of additions per batch and no
+system call.  Workers count their own busy time, samples and bytes in the
+ring's header (see _worker._Busy); a snapshot reads them there."""
 from __future__ import annotations
 
 import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
+class WorkerStats:
+    """One worker slot's totals over the loader's iterators (worker i of
+    each): time spent fetching and writing, samples fetched, bytes written."""
+
+    busy_seconds: float = 0.0
+    samples: int = 0
+    bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class LoaderStats:
     """A snapshot of one loader's counters, over all its iterators so far.
 
-    batches: batches yielded by worker iterators (num_workers > 0).
-    slot_batches: of those, batches that arrived as views of a ring slot.
-    unsized_batches: batches sent by torch's transport before the ring was
-        sized from the first batch (slot_bytes=None).
-    ring_full_batches: batches sent by torch's transport because every slot
-        was held (kept batches, see num_slots).
-    spilled_batches: batches larger than their slot, delivered whole by
-        torch's transport.
+    batches, samples: yielded by worker iterators (num_workers > 0).
+    wait_seconds: time the main process slept waiting for data;
+    wall_seconds: time from each iter() to its last batch, summed, so
+        wait_fraction = wait_seconds / wall_seconds says how data-bound the
+        loop was (near 0: the loader kept up; near 1: training waited).
+    slot_batches: of the batches, those that arrived as views of a ring slot.
+    unsized_batches: sent by torch's transport before the ring was sized
+        from the first batch (slot_bytes=None, fetch="batch").
+    ring_full_batches: sent by torch's transport because every slot was held
+        (kept batches, see num_slots).
+    spilled_batches: larger than their slot, delivered whole by torch's transport.
     fallback_leaves: tensor-like leaves that cannot live in a slot (CUDA,
         sparse, nested, subclasses, object arrays), pickled by torch.
-    wait_seconds: time the main process slept waiting for data.
+    occupancy_mean, occupancy_max: slots in use (in flight, ready, or held
+        by your code) when a batch was yielded.
+    prefetched_epochs: epochs that began with batches prefetched during the
+        previous one (prefetch_next_epoch).
     ring_slots, slot_bytes: the current ring's geometry (0 before it exists).
+    workers: per worker, see WorkerStats (counted while a ring exists).
+    bytes_moved: bytes workers wrote into slots or sent by torch's transport.
     """
 
     batches: int = 0
+    samples: int = 0
+    wait_seconds: float = 0.0
+    wall_seconds: float = 0.0
     slot_batches: int = 0
     unsized_batches: int = 0
     ring_full_batches: int = 0
     spilled_batches: int = 0
     fallback_leaves: int = 0
-    wait_seconds: float = 0.0
+    occupancy_mean: float = 0.0
+    occupancy_max: int = 0
+    prefetched_epochs: int = 0
     ring_slots: int = 0
     slot_bytes: int = 0
+    workers: tuple = ()
+
+    @property
+    def wait_fraction(self) -> float:
+        return self.wait_seconds / self.wall_seconds if self.wall_seconds else 0.0
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(w.bytes for w in self.workers)
 
     def __str__(self) -> str:
         share = self.slot_batches / self.batches if self.batches else 0.0
-        return (
-            f"{self.batches} batches, {self.slot_batches} through the ring ({share:.0%}); "
-            f"torch transport: {self.unsized_batches} before sizing, "
-            f"{self.ring_full_batches} ring full, {self.spilled_batches} spilled; "
-            f"{self.fallback_leaves} fallback leaves; waited {self.wait_seconds:.3f} s; "
-            f"ring {self.ring_slots} x {self.slot_bytes} bytes"
-        )
+        lines = [
+            f"{self.batches} batches, {self.samples} samples; waited for data "
+            f"{self.wait_seconds:.3f} s of {self.wall_seconds:.3f} s ({self.wait_fraction:.0%})",
+            f"ring: {self.ring_slots} x {self.slot_bytes} bytes, {self.occupancy_mean:.1f} slots "
+            f"in use on average (max {self.occupancy_max}); {self.slot_batches} batches through "
+            f"it ({share:.0%}), {self.bytes_moved / 1e9:.3f} GB moved",
+            f"torch transport: {self.unsized_batches} before sizing, {self.ring_full_batches} "
+            f"ring full, {self.spilled_batches} spilled; {self.fallback_leaves} fallback leaves; "
+            f"{self.prefetched_epochs} prefetched epochs",
+        ]
+        for i, w in enumerate(self.workers):
+            lines.append(f"worker {i}: busy {w.busy_seconds:.3f} s, {w.samples} samples, "
+                         f"{w.bytes / 1e9:.3f} GB")
+        return "\n".join(lines)
+
+
+_COUNTED = ("batches", "samples", "wait_seconds", "wall_seconds", "slot_batches",
+            "unsized_batches", "ring_full_batches", "spilled_batches", "fallback_leaves",
+            "occupancy_max", "prefetched_epochs")
 
 
 class Counters:
     """The mutable counters behind LoaderStats, shared by a loader's iterators."""
 
-    __slots__ = tuple(f.name for f in dataclasses.fields(LoaderStats)) + ("warned_ring_full",
-                                                                          "warned_spill")
+    __slots__ = _COUNTED + ("occupancy_sum", "warned_ring_full", "warned_spill", "_ring",
+                            "_workers", "_retired")
 
     def __init__(self):
-        for f in dataclasses.fields(LoaderStats):
-            setattr(self, f.name, f.default)
+        for name in _COUNTED + ("occupancy_sum",):
+            setattr(self, name, 0)
         self.warned_ring_full = False
         self.warned_spill = False
+        self._ring = None  # the ring whose worker counters are live
+        self._workers = 0
+        self._retired = []  # [busy_ns, samples, batches, bytes] per worker, of older rings
+
+    def use_ring(self, ring, num_workers: int) -> None:
+        """Count from `ring` (a ring's worker counters only grow, so a ring
+        handed to the next iterator is not counted twice)."""
+        if ring is not self._ring:
+            self._retire()
+            self._ring = ring
+        self._workers = max(self._workers, num_workers)
+
+    def _retire(self) -> None:
+        for i, counts in enumerate(self._live()):
+            while len(self._retired) <= i:
+                self._retired.append([0, 0, 0, 0])
+            self._retired[i] = [a + b for a, b in zip(self._retired[i], counts)]
+
+    def _live(self):
+        if self._ring is None:
+            return []
+        return [self._ring.worker_read(i) for i in range(self._workers)]
 
     def snapshot(self) -> LoaderStats:
-        return LoaderStats(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LoaderStats)})
+        totals = [list(c) for c in self._retired]
+        for i, counts in enumerate(self._live()):
+            while len(totals) <= i:
+                totals.append([0, 0, 0, 0])
+            totals[i] = [a + b for a, b in zip(totals[i], counts)]
+        ring = self._ring
+        return LoaderStats(
+            **{name: getattr(self, name) for name in _COUNTED},
+            occupancy_mean=self.occupancy_sum / self.batches if self.batches else 0.0,
+            ring_slots=ring.nslots if ring is not None else 0,
+            slot_bytes=ring.slot_bytes if ring is not None else 0,
+            workers=tuple(WorkerStats(busy_ns / 1e9, samples, nbytes)
+                          for busy_ns, samples, _, nbytes in totals),
+        )

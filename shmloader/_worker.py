@@ -7,16 +7,36 @@ comes with a slot is collated into it and published on the ring; everything
 else (no slot, a batch that outgrew its slot, errors, end of an iterable) goes
 to the main process through this worker's result pipe, pickled by torch.
 
+fetch="sample" (see _samples.py): every worker gets every batch's task and
+fills its share of the rows, each sample written straight into its row;
+whoever writes the last row publishes the slot.  Which rows are whose:
+"interleaved", the sample at epoch position j is worker j % num_workers's;
+"dynamic", each worker claims the next unwritten row (a CAS in the slot's
+descriptor) until none is left.
+
 Protocol (main -> worker, over the worker's task socket):
     ("ring",)                        followed by the segment fd and eventfd
-    ("task", task_id, index, slot)   slot >= 0, NO_SLOT or MEASURE
+    ("layout", SampleLayout)         fetch="sample": the batch layout
+    ("task", task_id, index, slot, epoch, position)
+                                     a whole batch; slot >= 0, NO_SLOT or MEASURE;
+                                     position: epoch position of its first sample
+    ("rows", task_id, slot, index, epoch, position, first_row)
+                                     fetch="sample": this worker's rows of a batch
+    ("probe", task_id, index, epoch, position, capacity)
+                                     fetch="sample": fetch sample `index` (row 0
+                                     of the task) and describe the layout
     ("resume", shared_seed)          a new epoch of persistent workers
     None                             exit
 Worker -> main, over the worker's result pipe:
-    ("batch", task_id, reason, data, slot_bytes_needed or 0)
+    ("batch", task_id, reason, data, slot_bytes_needed or 0, samples)
     ("error", task_id, ExceptionWrapper)
+    ("row_error", task_id, row, ExceptionWrapper)   sent before the row is counted done
+    ("layout", task_id, SampleLayout)
     ("stop", task_id)                an IterableDataset ran out
     ("resumed",)
+
+Per-worker counters in the ring (busy ns, samples, batches, bytes written)
+are added once the ring exists; until then they are kept here.
 """
 from __future__ import annotations
 
@@ -24,6 +44,7 @@ import collections
 import os
 import random
 import socket
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from multiprocessing.reduction import recvfds
@@ -40,6 +61,8 @@ from torch.utils.data.graph_settings import apply_random_seed
 from . import _layout
 from ._arena import Arena, SlotCollate, slot_bytes_needed
 from ._ring import Ring
+from ._samples import SampleLayout
+from ._seeding import seed_sample
 
 NO_SLOT = -1  # every slot is held: use torch's transport
 MEASURE = -2  # no ring yet: use torch's transport and report the size needed
@@ -60,6 +83,8 @@ class WorkerConfig:
     worker_id: int
     num_workers: int
     shared_seed: int | None
+    seed_per_sample: bool  # seed random/torch/numpy before each sample
+    assignment: str  # fetch="sample": "interleaved" or "dynamic"
     manager_pid: int  # the main process: workers exit when it is gone
     tasks: Any  # Connection (a socket: it also carries the ring's fds)
     results: Any  # Connection
@@ -152,12 +177,61 @@ class _Slots:
             os.close(fd)
         self._storages = {}
 
-    def arena(self, slot: int) -> Arena:
+    def slot(self, slot: int):
+        """(SlotMemory, uint8 storage) of `slot`."""
         if slot not in self._storages:
             memory = self.ring.memory(slot)
             storage = torch.frombuffer(memory, dtype=torch.uint8).untyped_storage()
             self._storages[slot] = (memory, storage)
-        return Arena(*self._storages[slot])
+        return self._storages[slot]
+
+    def arena(self, slot: int) -> Arena:
+        return Arena(*self.slot(slot))
+
+
+class _Busy:
+    """This worker's counters: busy ns, samples, batches, bytes written.
+    Added to the ring's copy when there is one, kept until then."""
+
+    def __init__(self, worker_id):
+        self._worker_id = worker_id
+        self._pending = [0, 0, 0, 0]
+        self.started = 0
+
+    def start(self):
+        self.started = time.perf_counter_ns()
+
+    def add(self, slots, samples, batches, nbytes):
+        pending = self._pending
+        pending[0] += time.perf_counter_ns() - self.started
+        pending[1] += samples
+        pending[2] += batches
+        pending[3] += nbytes
+        if slots is not None:
+            slots.ring.worker_add(self._worker_id, *pending)
+            self._pending = [0, 0, 0, 0]
+
+
+class _Samples:
+    """Fetches single samples, seeded per sample when asked."""
+
+    def __init__(self, cfg, dataset, collate_fn):
+        self._dataset = dataset
+        self._auto_collation = cfg.auto_collation
+        self._collate_fn = collate_fn
+        self._seeded = cfg.seed_per_sample
+        self._base_seed = cfg.base_seed
+
+    def get(self, index, epoch, position):
+        if self._seeded:
+            seed_sample(self._base_seed, epoch, position)
+        return self._dataset[index]
+
+    def batch(self, index, epoch, position):
+        """A map-style batch fetched sample by sample (seed_per_sample)."""
+        if not self._auto_collation:
+            return self._collate_fn(self.get(index, epoch, position))
+        return self._collate_fn([self.get(i, epoch, position + k) for k, i in enumerate(index)])
 
 
 def worker_loop(cfg: WorkerConfig) -> None:
@@ -183,7 +257,7 @@ def _run(cfg: WorkerConfig) -> None:
         id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=dataset
     )
     slot_collate = SlotCollate() if cfg.collate_fn is None else None
-    collate_fn = slot_collate or cfg.collate_fn
+    collate_fn = _Counted(slot_collate or cfg.collate_fn)
     where = f"in DataLoader worker process {cfg.worker_id}"
 
     def make_fetcher():
@@ -202,8 +276,8 @@ def _run(cfg: WorkerConfig) -> None:
     except Exception:
         fetcher_error = ExceptionWrapper(where=where)
 
+    work = _Work(cfg, where, _Samples(cfg, dataset, collate_fn), slot_collate, collate_fn)
     inbox = _Inbox(cfg.tasks, cfg.manager_pid)
-    slots = None
     iteration_end = False
     while True:
         msg = inbox.next()
@@ -211,8 +285,11 @@ def _run(cfg: WorkerConfig) -> None:
             break
         kind = msg[0]
         if kind == "ring":
-            slots = _Slots(inbox.ring_fds)
+            work.slots = _Slots(inbox.ring_fds)
             inbox.ring_fds = None
+            continue
+        if kind == "layout":
+            work.layout = msg[1]
             continue
         if kind == "resume":
             iteration_end = False
@@ -225,17 +302,18 @@ def _run(cfg: WorkerConfig) -> None:
                 fetcher, fetcher_error = None, ExceptionWrapper(where=where)
             cfg.results.send(("resumed",))
             continue
-        _, task_id, index, slot = msg
-        if iteration_end or inbox.superseded():
-            if slot >= 0:
-                slots.ring.abandon(slot)
-            continue
-        if fetcher is None:
-            _give_back(slots, slot)
-            reply = ("error", task_id, fetcher_error)
+        stale = iteration_end or inbox.superseded()
+        if kind == "rows":
+            reply = work.rows(*msg[1:], stale=stale, error=fetcher_error)
+        elif kind == "probe":
+            reply = None if stale else work.probe(*msg[1:], error=fetcher_error)
+        elif stale:
+            reply = work.give_back(msg[3])
+        elif fetcher is None:
+            work.give_back(msg[3])
+            reply = ("error", msg[1], fetcher_error)
         else:
-            reply, iteration_end = _do_task(cfg, fetcher, slot_collate, slots, task_id, index,
-                                            slot, where)
+            reply, iteration_end = work.batch(fetcher, *msg[1:])
         if isinstance(reply, bytes):
             cfg.results.send_bytes(reply)
         elif reply is not None:
@@ -243,42 +321,147 @@ def _run(cfg: WorkerConfig) -> None:
         del reply
 
 
-def _do_task(cfg, fetcher, slot_collate, slots, task_id, index, slot, where):
-    """Fetch and deliver one batch.  Returns (pipe reply or None, iteration_end)."""
-    arena = slots.arena(slot) if slot >= 0 else None
-    if slot_collate is not None:
-        slot_collate.arena = arena
-    try:
-        data = fetcher.fetch(index)
-    except Exception as e:
-        _give_back(slots, slot)
-        if isinstance(e, StopIteration) and cfg.dataset_kind == _DatasetKind.Iterable:
-            return ("stop", task_id), True
-        return ("error", task_id, ExceptionWrapper(where=where)), False
-    if arena is not None and (slot_collate is None or slot_collate.arena is not None):
+class _Counted:
+    """The collate function, remembering how many samples it was last given."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.samples = 0
+
+    def __call__(self, data):
+        self.samples = len(data) if isinstance(data, list) else 1
+        return self.fn(data)
+
+
+class _Work:
+    """What one worker does with a task: a whole batch, its rows of a batch
+    (fetch="sample"), or a layout probe."""
+
+    def __init__(self, cfg, where, samples, slot_collate, collate_fn):
+        self.cfg = cfg
+        self.where = where
+        self.samples = samples
+        self.slot_collate = slot_collate
+        self.collate_fn = collate_fn
+        self.busy = _Busy(cfg.worker_id)
+        self.slots = None  # _Slots once the ring has come
+        self.layout = None  # fetch="sample": the SampleLayout once known
+        self.probed = None  # (task_id, sample) fetched by a probe, for row 0
+
+    def give_back(self, slot):
+        if slot >= 0:
+            self.slots.ring.abandon(slot)
+
+    # ---- a whole batch ------------------------------------------------------
+
+    def batch(self, fetcher, task_id, index, slot, epoch, position):
+        """Fetch and deliver one batch.  Returns (pipe reply or None, iteration_end)."""
+        cfg = self.cfg
+        self.busy.start()
+        arena = self.slots.arena(slot) if slot >= 0 else None
+        if self.slot_collate is not None:
+            self.slot_collate.arena = arena
         try:
-            meta_off, meta_len = arena.write_meta(_layout.dumps(data, arena.place))
+            if cfg.seed_per_sample:
+                data = self.samples.batch(index, epoch, position)
+            else:
+                data = fetcher.fetch(index)
+        except Exception as e:
+            self.give_back(slot)
+            if isinstance(e, StopIteration) and cfg.dataset_kind == _DatasetKind.Iterable:
+                return ("stop", task_id), True
+            return ("error", task_id, ExceptionWrapper(where=self.where)), False
+        samples = self.collate_fn.samples
+        if arena is not None and (self.slot_collate is None or self.slot_collate.arena is not None):
+            try:
+                meta_off, meta_len = arena.write_meta(_layout.dumps(data, arena.place, samples))
+            except Exception:
+                # SlotFull, or something unpicklable: torch's path decides below.
+                pass
+            else:
+                self.busy.add(self.slots, samples, 1, arena.used)
+                self.slots.ring.publish(slot, task_id, meta_off, meta_len)
+                return None, False
+        reason = {NO_SLOT: "ring_full", MEASURE: "no_ring"}.get(slot, "spill")
+        try:
+            needed = slot_bytes_needed(data) if slot == MEASURE else 0
+            # Pickled here, not by the pipe, so that a batch that cannot be
+            # pickled becomes this task's error instead of killing the worker;
+            # tensors stacked into the slot are copied out, since the slot is
+            # given back below and may be refilled at once.
+            reply = _layout.dumps_detached(("batch", task_id, reason, data, needed, samples),
+                                           arena.owns if arena is not None else None)
         except Exception:
-            # SlotFull, or something unpicklable: torch's path decides below.
-            pass
+            reply = ("error", task_id, ExceptionWrapper(where=self.where))
+        self.give_back(slot)
+        self.busy.add(self.slots, samples, 1, len(reply) if isinstance(reply, bytes) else 0)
+        return reply, False
+
+    # ---- fetch="sample" -------------------------------------------------------
+
+    def probe(self, task_id, index, epoch, position, capacity, error):
+        """Fetch the first sample of a task and describe the batch layout it
+        fixes; the sample is kept for row 0."""
+        if error is not None:
+            return ("error", task_id, error)
+        self.busy.start()
+        try:
+            sample = self.samples.get(index, epoch, position)
+            layout = SampleLayout(sample, capacity)
+        except Exception:
+            return ("error", task_id, ExceptionWrapper(where=self.where))
+        self.busy.add(self.slots, 0, 0, 0)
+        self.probed = (task_id, sample)
+        return ("layout", task_id, layout)
+
+    def _my_rows(self, task_id, slot, nrows, position, first_row):
+        """This worker's rows of a task, in order."""
+        cfg = self.cfg
+        if self.probed is not None and self.probed[0] == task_id:
+            yield 0  # the probed sample is row 0, whatever the assignment
+        if cfg.assignment == "dynamic":
+            while (row := self.slots.ring.row_claim(slot)) is not None:
+                yield row
         else:
-            slots.ring.publish(slot, task_id, meta_off, meta_len)
-            return None, False
-    reason = {NO_SLOT: "ring_full", MEASURE: "no_ring"}.get(slot, "spill")
-    try:
-        needed = slot_bytes_needed(data) if slot == MEASURE else 0
-        # Pickled here, not by the pipe, so that a batch that cannot be
-        # pickled becomes this task's error instead of killing the worker;
-        # tensors stacked into the slot are copied out, since the slot is
-        # given back below and may be refilled at once.
-        reply = _layout.dumps_detached(("batch", task_id, reason, data, needed),
-                                       arena.owns if arena is not None else None)
-    except Exception:
-        reply = ("error", task_id, ExceptionWrapper(where=where))
-    _give_back(slots, slot)
-    return reply, False
+            start = (cfg.worker_id - position) % cfg.num_workers
+            for row in range(start, nrows, cfg.num_workers):
+                if row >= first_row:
+                    yield row
+
+    def rows(self, task_id, slot, index, epoch, position, first_row, stale, error):
+        """Write this worker's rows of a batch; rows of a stale task are
+        counted done unwritten, so that the slot still completes and goes
+        back.  Returns None: errors go out as they happen."""
+        ring = self.slots.ring
+        memory, storage = self.slots.slot(slot)
+        for row in self._my_rows(task_id, slot, len(index), position, first_row):
+            failed = False
+            if not stale:
+                self.busy.start()
+                try:
+                    if error is not None:
+                        raise _Reraised(error)
+                    if row == 0 and self.probed is not None and self.probed[0] == task_id:
+                        sample = self.probed[1]
+                    else:
+                        sample = self.samples.get(index[row], epoch, position + row)
+                    self.layout.write_row(memory, storage, row, sample)
+                except _Reraised as e:
+                    failed = True
+                    self.cfg.results.send(("row_error", task_id, row, e.wrapper))
+                except Exception:
+                    failed = True
+                    self.cfg.results.send(
+                        ("row_error", task_id, row, ExceptionWrapper(where=self.where)))
+                self.busy.add(self.slots, 1, 0, 0 if failed else self.layout.sample_bytes)
+            ring.row_done(slot, failed)
+        if self.probed is not None and self.probed[0] == task_id:
+            self.probed = None
+        return None
 
 
-def _give_back(slots, slot):
-    if slot >= 0:
-        slots.ring.abandon(slot)
+class _Reraised(Exception):
+    """A worker_init_fn error, answered for every row."""
+
+    def __init__(self, wrapper):
+        self.wrapper = wrapper

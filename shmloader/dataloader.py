@@ -4,6 +4,8 @@ from __future__ import annotations
 import warnings
 
 import torch.utils.data
+from torch.utils.data import _DatasetKind
+from torch.utils.data._utils.collate import default_collate
 
 from ._iterator import ShmLoaderIter
 from ._ring import MAX_SLOTS
@@ -18,6 +20,59 @@ def _check_positive_int(name, value, upper=None):
         raise ValueError(f"{name} should be a positive int or None, but got {name}={value!r}")
     if upper is not None and value > upper:
         raise ValueError(f"{name} should be at most {upper}, but got {name}={value!r}")
+
+
+def _check_flag(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} should be True or False, but got {name}={value!r}")
+    return value
+
+
+def _check_fetch(loader, fetch, assignment):
+    if fetch not in ("batch", "sample"):
+        raise ValueError(f"fetch should be 'batch' or 'sample', but got fetch={fetch!r}")
+    if assignment not in (None, "interleaved", "dynamic"):
+        raise ValueError(
+            f"assignment should be 'interleaved' or 'dynamic', but got assignment={assignment!r}")
+    if fetch == "batch":
+        if assignment is not None:
+            raise ValueError(
+                f"assignment={assignment!r} decides which worker fetches which sample and "
+                "applies to fetch='sample' only; with fetch='batch' workers take whole batches "
+                "in turn, as in torch.")
+        return fetch, None
+    if loader._dataset_kind == _DatasetKind.Iterable:
+        raise ValueError(
+            "fetch='sample' needs a map-style dataset (samples fetched by index); an "
+            "IterableDataset's samples come from its iterator in each worker. Use "
+            "fetch='batch'.")
+    if not loader._auto_collation:
+        raise ValueError(
+            "fetch='sample' assembles batches from samples, but batch_size=None turns off "
+            "batching; use fetch='batch'.")
+    if loader.collate_fn is not default_collate:
+        raise ValueError(
+            "fetch='sample' writes each sample straight into its row of the batch, which is "
+            "what the default collate_fn does; a custom collate_fn needs the whole batch at "
+            "once. Use fetch='batch' with it, or drop collate_fn.")
+    return fetch, assignment or "interleaved"
+
+
+def _check_map_style(loader):
+    for name in ("seed_per_sample", "prefetch_next_epoch"):
+        if getattr(loader, name) and loader._dataset_kind == _DatasetKind.Iterable:
+            raise ValueError(
+                f"{name}=True needs a map-style dataset (samples at known positions of a "
+                "sampler); an IterableDataset's samples come from its iterator in each worker.")
+    if loader.prefetch_next_epoch and not (loader.persistent_workers and loader.num_workers > 0):
+        raise ValueError(
+            "prefetch_next_epoch=True needs persistent_workers=True (and num_workers > 0): "
+            "the workers that prefetch the next epoch must outlive this one.")
+    if loader.seed_per_sample and loader.num_workers == 0:
+        raise ValueError(
+            "seed_per_sample=True seeds worker processes; with num_workers=0 samples are "
+            "fetched in your process, whose random state it would overwrite. Use "
+            "num_workers >= 1.")
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -40,6 +95,28 @@ class DataLoader(torch.utils.data.DataLoader):
             loop still holds and two more you may keep.  Keep more batches
             alive than that and the extra ones travel by torch's transport
             (one warning); ring memory is capped at num_slots * slot_bytes.
+        fetch: "batch" (default, torch's way: each worker builds whole
+            batches) or "sample": every worker fetches single samples and
+            writes each straight into its row of a shared batch slot, so all
+            workers work on batch 0 and one slow sample holds up one row, not
+            a worker's whole batch.  Needs a map-style dataset, automatic
+            batching and the default collate; the first sample fixes each
+            field's shape and dtype, and a sample that differs is an error
+            naming the field.  Batches and their order are fetch="batch"'s.
+        assignment: fetch="sample" only.  "interleaved" (default): sample j
+            of the epoch goes to worker j % num_workers.  "dynamic": each
+            idle worker takes the next unfetched sample (for uneven costs).
+        seed_per_sample: seed random, torch and numpy before every sample
+            from (base seed, epoch, sample position), so random augmentations
+            are the same whatever num_workers, fetch or assignment is.
+            Needs a map-style dataset (and uses __getitem__ per sample, never
+            __getitems__).
+        prefetch_next_epoch: with persistent_workers, start filling free
+            slots with epoch e + 1 (calling sampler.set_epoch(e + 1) where the
+            sampler has it) as soon as epoch e's sampler runs out, so the next
+            iter() yields at once.  If, by that iter(), the sampler or the
+            generator changed (set_epoch with another value, a reseeded
+            generator), the prefetched batches are dropped and fetched again.
     """
 
     def __init__(
@@ -64,11 +141,16 @@ class DataLoader(torch.utils.data.DataLoader):
         in_order=True,
         slot_bytes=None,
         num_slots=None,
+        fetch="batch",
+        assignment=None,
+        seed_per_sample=False,
+        prefetch_next_epoch=False,
     ):
         _check_positive_int("slot_bytes", slot_bytes, upper=2**62)
         _check_positive_int("num_slots", num_slots, upper=MAX_SLOTS)
         self._shm_options = RingOptions(slot_bytes, num_slots)
         self._counters = Counters()
+        self._epochs_started = 0
         super().__init__(
             dataset,
             batch_size,
@@ -88,7 +170,16 @@ class DataLoader(torch.utils.data.DataLoader):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
+        self.fetch, self.assignment = _check_fetch(self, fetch, assignment)
+        self.seed_per_sample = _check_flag("seed_per_sample", seed_per_sample)
+        self.prefetch_next_epoch = _check_flag("prefetch_next_epoch", prefetch_next_epoch)
+        _check_map_style(self)
         self._warn_if_ring_too_small()
+
+    def _next_epoch(self) -> int:
+        """Number the epoch an iterator starts (0, 1, ...): seed_per_sample's epoch."""
+        self._epochs_started += 1
+        return self._epochs_started - 1
 
     def _warn_if_ring_too_small(self):
         in_flight = self.prefetch_factor * self.num_workers if self.num_workers else 0

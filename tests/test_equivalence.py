@@ -589,11 +589,13 @@ def test_is_a_torch_dataloader():
 def test_signature_matches_torch():
     tp = inspect.signature(TorchDataLoader.__init__).parameters
     sp = dict(inspect.signature(ShmDataLoader.__init__).parameters)
-    extra = {k: sp.pop(k) for k in ("slot_bytes", "num_slots")}
+    defaults = dict(slot_bytes=None, num_slots=None, fetch="batch", assignment=None,
+                    seed_per_sample=False, prefetch_next_epoch=False)
+    extra = {k: sp.pop(k) for k in defaults}
     assert [(p.name, p.kind, p.default) for p in tp.values()] == \
            [(p.name, p.kind, p.default) for p in sp.values()]
-    for p in extra.values():
-        assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is None
+    for name, p in extra.items():
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default == defaults[name]
 
 
 _SAMPLER = tud.SequentialSampler(range(5))

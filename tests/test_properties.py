@@ -359,7 +359,7 @@ def _real_meta(ring, batch):
         return ref
 
     try:
-        meta = _layout.dumps(batch, place)
+        meta = _layout.dumps(batch, place, 1)
         off, length = arena.write_meta(meta)
     except BaseException:
         ring.abandon(slot)
@@ -372,7 +372,7 @@ def _real_meta(ring, batch):
 
 def _redump(batch, refs):
     it = iter(refs)
-    return _layout.dumps(batch, lambda leaf: next(it))
+    return _layout.dumps(batch, lambda leaf: next(it), 1)
 
 
 # ---- what to corrupt
@@ -689,7 +689,7 @@ def test_decoder_survives_corrupt_metadata(fuzz_ring, spec, seed, cases, data):
 
 # ---- the decoder bugs found, one minimal regression test each
 def _one_ref_meta(ref):
-    return _layout.dumps([torch.zeros(1)], lambda leaf: ref)
+    return _layout.dumps([torch.zeros(1)], lambda leaf: ref, 1)
 
 
 @pytest.fixture
@@ -717,7 +717,7 @@ def _decode_and_read(meta, lease, index):
         code = 1
         try:
             faulthandler.disable()  # the crash is expected: no "Fatal Python error" noise
-            out, _ = _layout.loads(meta, lease)
+            out, *_ = _layout.loads(meta, lease)
             repr(out[0][index])
             code = 0
         finally:
@@ -738,8 +738,8 @@ def test_harness_reports_a_crash_in_the_decoder(lease_of):
         def __reduce__(self):
             return ctypes.string_at, (8, 1)  # reads address 8
 
-    fine = _layout.dumps([1, "x", None], lambda leaf: None)
-    meta = _layout.dumps([Segfault()], lambda leaf: None)
+    fine = _layout.dumps([1, "x", None], lambda leaf: None, 1)
+    meta = _layout.dumps([Segfault()], lambda leaf: None, 1)
     statuses, crash = _decode_in_child([fine, meta], lease_of(), quiet=True)
     assert statuses == {0: "returned"}
     assert crash == (1, "killed by SIGSEGV")
