@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import _utils
 from torch.utils.data.dataloader import (
     IterDataPipe,
+    _DatasetKind,
     MapDataPipe,
     _BaseDataLoaderIter,
     _sharding_worker_init_fn,
@@ -40,6 +41,7 @@ from torch.utils.data.dataloader import (
 
 from . import _layout
 from ._pool import WorkerDied, WorkerPool
+from ._resume import Progress, warn_replay
 from ._rings import create_ring
 from ._sampler_state import SamplerState
 from ._worker import MEASURE, NO_SLOT
@@ -64,7 +66,17 @@ def _warn(message: str) -> None:
 
 class ShmLoaderIter(_BaseDataLoaderIter):
     def __init__(self, loader) -> None:
+        resume = loader._take_resume()
         super().__init__(loader)
+        self._progress = loader._progress
+        self._resume = resume
+        self._replay = 0  # batches to fetch again and drop (see _resume_epoch)
+        self._skip = set()  # epoch indices not to fetch again (in_order=False resume)
+        self._pending_first_draw = None
+        if resume is not None:
+            self._base_seed = resume.base_seed(self._base_seed, self._persistent_workers)
+            if not resume.state["epoch_finished"]:
+                resume.restore_generator(loader)
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         self._counters = loader._counters
@@ -102,6 +114,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 shared_seed=self._shared_seed,
                 seed_per_sample=loader.seed_per_sample,
                 assignment=loader.assignment,
+                resume_state=resume.worker_state(i) if resume is not None else None,
                 manager_pid=os.getpid(),
             )
             for i in range(self._num_workers)
@@ -176,8 +189,14 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         if self._next_epoch_at is not None and self._next_epoch_state.holds(loader):
             self._adopt_next_epoch()
             return
+        resume, self._resume = self._resume, None
+        if resume is not None and not resume.state["epoch_finished"]:
+            resume.restore_sampler(loader)
+        else:
+            resume = None
         super()._reset(loader, first_iter)
         self._epoch = loader._next_epoch()  # numbers epochs for seed_per_sample
+        self._progress.epoch_begins(loader, self._epoch, self._base_seed, self._num_workers)
         self._position = 0  # epoch position of the next sample to dispatch
         self._epoch_base += self._send_idx  # task ids stay unique across epochs
         self._send_idx = 0  # epoch index of the next task to send
@@ -188,11 +207,42 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         self._next_epoch_at = self._next_epoch_state = None
+        if resume is not None:
+            self._resume_epoch(resume)
         with self._failing_workers():
             if not first_iter:
                 self._resume_workers()
             for _ in range(self._prefetch_factor * self._num_workers):
                 self._try_put_index()
+
+    def _resume_epoch(self, resume) -> None:
+        """Pick up a loaded state's epoch after the batches it had yielded:
+        their indices are drawn and dropped (map-style), or the workers'
+        datasets resume from their own states, or, for an IterableDataset
+        without state_dict, those batches are fetched again and dropped."""
+        self._progress.resumed_from(resume)
+        self._num_yielded = resume.skip + len(resume.skip_beyond)
+        if self._dataset_kind == _DatasetKind.Iterable and not resume.dataset_states():
+            self._replay = resume.skip + len(resume.skip_beyond)
+            warn_replay(self._replay)
+            return
+        self._pending_first_draw = resume
+        for _ in range(resume.skip):
+            try:
+                index = self._next_index()
+            except StopIteration:
+                break
+            self._position += len(index) if self._auto_collation else 1
+            next(self._worker_queue_idx_cycle)
+            self._send_idx += 1
+        self._rcvd_idx = self._send_idx
+        self._skip = set(resume.skip_beyond)
+
+    def _next_index(self):
+        if self._pending_first_draw is not None:
+            resume, self._pending_first_draw = self._pending_first_draw, None
+            return resume.first_draw(super()._next_index)
+        return super()._next_index()
 
     def _start_next_epoch(self) -> bool:
         """prefetch_next_epoch: the sampler ran out; go on with the next
@@ -204,6 +254,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         loader = self._loader
         self._epoch = loader._next_epoch()
         SamplerState.advance_epoch(loader, self._epoch)
+        self._next_epoch_start = Progress()
+        self._next_epoch_start.epoch_begins(loader, self._epoch, self._base_seed,
+                                            self._num_workers)
         self._sampler_iter = iter(self._index_sampler)
         self._position = 0
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
@@ -219,6 +272,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._task_info = {i - shift: info for i, info in self._task_info.items()}
         self._num_yielded = 0
         self._next_epoch_at = self._next_epoch_state = None
+        self._progress.begin_like(self._next_epoch_start)
         self._counters.prefetched_epochs += 1
         with self._failing_workers():
             while self._tasks_outstanding < self._prefetch_factor * self._num_workers:
@@ -272,6 +326,15 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             # The sampler's state right after its first draw: what the next
             # iter() must still find for these batches to be that epoch's.
             self._next_epoch_state = SamplerState.capture(self._loader)
+        while self._send_idx in self._skip:  # yielded before a resume
+            self._skip.discard(self._send_idx)
+            self._position += len(index) if self._auto_collation else 1
+            next(self._worker_queue_idx_cycle)
+            self._send_idx += 1
+            try:
+                index = self._next_index()
+            except StopIteration:
+                return
         for _ in range(self._num_workers):  # find the next active worker, if any
             worker_id = next(self._worker_queue_idx_cycle)
             if self._workers_status[worker_id]:
@@ -412,6 +475,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
 
     def _next_data(self):
         with self._failing_workers():
+            while self._replay:  # resuming an IterableDataset that cannot say where it was
+                self._replay -= 1
+                with contextlib.suppress(Exception):
+                    self._next_batch()
             batch = self._next_batch()
         counters = self._counters
         now = time.perf_counter()
@@ -437,6 +504,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                     del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
             else:
+                self._progress.finished = True
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration
@@ -444,7 +512,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             if len(self._task_info[self._rcvd_idx]) == 2:
                 worker_id, data = self._task_info.pop(self._rcvd_idx)
                 self._rcvd_idx += 1
-                return self._process_data(data, worker_id)
+                return self._process_data(data, worker_id, self._rcvd_idx - 1)
 
             assert not self._shutdown and self._tasks_outstanding > 0
             idx, data = self._get_data()
@@ -460,19 +528,21 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 if not self._in_order and (self._next_epoch_at is None or
                                            idx < self._next_epoch_at):
                     worker_id = self._task_info.pop(idx)[0]
-                    return self._process_data(data, worker_id)
+                    return self._process_data(data, worker_id, idx)
                 self._task_info[idx] += (data,)
             else:
                 worker_id = self._task_info.pop(idx)[0]
                 self._rcvd_idx += 1
-                return self._process_data(data, worker_id)
+                return self._process_data(data, worker_id, idx)
 
-    def _process_data(self, data, worker_id):
+    def _process_data(self, data, worker_id, idx):
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
         if _kind(data) == "error":
+            self._progress.batch_yielded(idx, worker_id, None)
             data[2].reraise()
-        batch = self._unpack(data)
+        batch, worker_state = self._unpack(data)
+        self._progress.batch_yielded(idx, worker_id, worker_state)
         if self._pin_memory:
             batch = _utils.pin_memory.pin_memory(batch, self._pin_memory_device)
         return batch
@@ -490,17 +560,17 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 counters.spilled_batches += 1
                 self._warn_spill()
             counters.samples += data[5]
-            return data[3]
+            return data[3], data[6]
         lease = data  # a SlotLease
         if lease.meta_len == 0:  # filled row by row (fetch="sample")
             meta = self._options.sample_layout.meta(lease.rows)
         else:
             meta = lease.meta()
-        batch, fallback_leaves, samples = _layout.loads(meta, lease)
+        batch, fallback_leaves, samples, worker_state = _layout.loads(meta, lease)
         counters.slot_batches += 1
         counters.fallback_leaves += fallback_leaves
         counters.samples += samples
-        return batch
+        return batch, worker_state
 
     def _warn_spill(self) -> None:
         if not self._counters.warned_spill:

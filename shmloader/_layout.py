@@ -59,14 +59,15 @@ class _RefPickler(ForkingPickler):
         return None
 
 
-def dumps(batch, place, samples: int) -> bytes:
+def dumps(batch, place, samples: int, worker_state: bytes | None = None) -> bytes:
     """Pickle `batch`, turning slot-able leaves into place(leaf) references,
     followed by a second pickle: (how many tensor-like leaves could not be
-    placed and travel through torch's pickling instead, samples in the batch)."""
+    placed and travel through torch's pickling instead, samples in the batch,
+    the worker's state after the batch (see _resume.py) or None)."""
     buf = io.BytesIO()
     pickler = _RefPickler(buf, place)
     pickler.dump(batch)
-    pickler.dump((pickler.fallback_leaves, samples))
+    pickler.dump((pickler.fallback_leaves, samples, worker_state))
     return buf.getvalue()
 
 
@@ -83,7 +84,7 @@ def dumps_refs(structure, ref_of, samples: int) -> bytes:
     buf = io.BytesIO()
     pickler = _TemplatePickler(buf, ref_of)
     pickler.dump(structure)
-    pickler.dump((0, samples))
+    pickler.dump((0, samples, None))
     return buf.getvalue()
 
 
@@ -169,8 +170,8 @@ def _inside(offset, shape, strides, itemsize, size) -> bool:
 def loads(meta: bytes, slot_buffer):
     """Rebuild a batch from its metadata, its leaves viewing `slot_buffer`.
     Returns (batch, number of leaves that came through torch's pickling,
-    samples in the batch)."""
+    samples in the batch, the worker's state or None)."""
     unpickler = _RefUnpickler(io.BytesIO(meta), slot_buffer)
     batch = unpickler.load()
-    fallback_leaves, samples = unpickler.load()
-    return batch, fallback_leaves, samples
+    fallback_leaves, samples, worker_state = unpickler.load()
+    return batch, fallback_leaves, samples, worker_state

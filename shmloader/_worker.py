@@ -28,12 +28,16 @@ Protocol (main -> worker, over the worker's task socket):
     ("resume", shared_seed)          a new epoch of persistent workers
     None                             exit
 Worker -> main, over the worker's result pipe:
-    ("batch", task_id, reason, data, slot_bytes_needed or 0, samples)
+    ("batch", task_id, reason, data, slot_bytes_needed or 0, samples, state or None)
     ("error", task_id, ExceptionWrapper)
     ("row_error", task_id, row, ExceptionWrapper)   sent before the row is counted done
     ("layout", task_id, SampleLayout)
     ("stop", task_id)                an IterableDataset ran out
     ("resumed",)
+
+A whole batch carries the worker's state after it (see _resume.py), in its
+slot's metadata or its pipe message, unless nothing in it can differ
+(seed_per_sample over a map-style dataset).
 
 Per-worker counters in the ring (busy ns, samples, batches, bytes written)
 are added once the ring exists; until then they are kept here.
@@ -60,6 +64,7 @@ from torch.utils.data.graph_settings import apply_random_seed
 
 from . import _layout
 from ._arena import Arena, SlotCollate, slot_bytes_needed
+from ._resume import restore_rng, snapshot_dataset_state, worker_snapshot
 from ._ring import Ring
 from ._samples import SampleLayout
 from ._seeding import seed_sample
@@ -85,6 +90,7 @@ class WorkerConfig:
     shared_seed: int | None
     seed_per_sample: bool  # seed random/torch/numpy before each sample
     assignment: str  # fetch="sample": "interleaved" or "dynamic"
+    resume_state: bytes | None  # worker_snapshot() to start from (load_state_dict)
     manager_pid: int  # the main process: workers exit when it is gone
     tasks: Any  # Connection (a socket: it also carries the ring's fds)
     results: Any  # Connection
@@ -268,15 +274,26 @@ def _run(cfg: WorkerConfig) -> None:
     # Without a fetcher (worker_init_fn or an IterableDataset's __iter__
     # raised), every task answers with that error until a resume makes one;
     # the worker itself lives on.
+    # An IterableDataset that can say where it is (state_dict) is resumed
+    # from there; a map-style dataset is resumed by index.
+    stateful = dataset if cfg.dataset_kind == _DatasetKind.Iterable and \
+        callable(getattr(dataset, "state_dict", None)) else None
     fetcher = fetcher_error = None
     try:
         if cfg.init_fn is not None:
             cfg.init_fn(cfg.worker_id)
+        if cfg.resume_state is not None and stateful is not None:
+            dataset_state = snapshot_dataset_state(cfg.resume_state)
+            if dataset_state is not None:
+                dataset.load_state_dict(dataset_state)
         fetcher = make_fetcher()
     except Exception:
         fetcher_error = ExceptionWrapper(where=where)
+    if cfg.resume_state is not None:
+        restore_rng(cfg.resume_state)
 
-    work = _Work(cfg, where, _Samples(cfg, dataset, collate_fn), slot_collate, collate_fn)
+    work = _Work(cfg, where, _Samples(cfg, dataset, collate_fn), slot_collate, collate_fn,
+                 stateful)
     inbox = _Inbox(cfg.tasks, cfg.manager_pid)
     iteration_end = False
     while True:
@@ -337,7 +354,7 @@ class _Work:
     """What one worker does with a task: a whole batch, its rows of a batch
     (fetch="sample"), or a layout probe."""
 
-    def __init__(self, cfg, where, samples, slot_collate, collate_fn):
+    def __init__(self, cfg, where, samples, slot_collate, collate_fn, stateful):
         self.cfg = cfg
         self.where = where
         self.samples = samples
@@ -347,6 +364,10 @@ class _Work:
         self.slots = None  # _Slots once the ring has come
         self.layout = None  # fetch="sample": the SampleLayout once known
         self.probed = None  # (task_id, sample) fetched by a probe, for row 0
+        self.stateful = stateful  # an IterableDataset with state_dict(), or None
+        # Whether a batch's worker state can matter on resuming: not under
+        # seed_per_sample, where positions alone decide the RNG.
+        self.snapshots = stateful is not None or not cfg.seed_per_sample
 
     def give_back(self, slot):
         if slot >= 0:
@@ -372,9 +393,11 @@ class _Work:
                 return ("stop", task_id), True
             return ("error", task_id, ExceptionWrapper(where=self.where)), False
         samples = self.collate_fn.samples
+        state = worker_snapshot(self.stateful) if self.snapshots else None
         if arena is not None and (self.slot_collate is None or self.slot_collate.arena is not None):
             try:
-                meta_off, meta_len = arena.write_meta(_layout.dumps(data, arena.place, samples))
+                meta_off, meta_len = arena.write_meta(
+                    _layout.dumps(data, arena.place, samples, state))
             except Exception:
                 # SlotFull, or something unpicklable: torch's path decides below.
                 pass
@@ -389,7 +412,7 @@ class _Work:
             # pickled becomes this task's error instead of killing the worker;
             # tensors stacked into the slot are copied out, since the slot is
             # given back below and may be refilled at once.
-            reply = _layout.dumps_detached(("batch", task_id, reason, data, needed, samples),
+            reply = _layout.dumps_detached(("batch", task_id, reason, data, needed, samples, state),
                                            arena.owns if arena is not None else None)
         except Exception:
             reply = ("error", task_id, ExceptionWrapper(where=self.where))

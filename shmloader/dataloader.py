@@ -8,6 +8,8 @@ from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.collate import default_collate
 
 from ._iterator import ShmLoaderIter
+from ._resume import Progress, Resume, check_state, state_dict
+from ._single import SingleProcessIter
 from ._ring import MAX_SLOTS
 from ._rings import RingOptions
 from ._stats import Counters, LoaderStats
@@ -151,6 +153,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._shm_options = RingOptions(slot_bytes, num_slots)
         self._counters = Counters()
         self._epochs_started = 0
+        self._progress = Progress()
+        self._resume = None  # a loaded state, for the next iterator
         super().__init__(
             dataset,
             batch_size,
@@ -192,9 +196,38 @@ class DataLoader(torch.utils.data.DataLoader):
                 stacklevel=3,
             )
 
+    def _take_resume(self):
+        resume, self._resume = self._resume, None
+        return resume
+
+    def state_dict(self) -> dict:
+        """Where this loader stands, as torchdata's StatefulDataLoader.state_dict():
+        after k batches of an epoch, a new loader given this state (via
+        load_state_dict, before iter()) yields batch k + 1 onwards of that
+        epoch, then the following epochs, as an uninterrupted run would.
+        A plain dict of ints, bools, bytes, lists and tensors (torch.save
+        keeps it).  Costs no round trip to the workers."""
+        if self._resume is not None:
+            return self._resume.state  # loaded and not yet used
+        return state_dict(self, self._progress)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Resume from a state_dict() of a loader over the same dataset with
+        the same batching (else ValueError); call it before iter()."""
+        state = check_state(self, state_dict)
+        if self._iterator is not None:  # a persistent iterator: start afresh
+            self._iterator._shutdown_workers()
+            self._iterator = None
+        self._resume = Resume(state)
+        self._progress = Progress()
+        self._epochs_started = state["epoch"]
+        if state["epoch_finished"]:
+            # The next iterator draws its base seed from the generator.
+            self._resume.restore_generator(self)
+
     def _get_iterator(self):
         if self.num_workers == 0:
-            return super()._get_iterator()
+            return SingleProcessIter(self)
         self.check_worker_number_rationality()
         return ShmLoaderIter(self)
 

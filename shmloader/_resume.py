@@ -1,0 +1,252 @@
+"""state_dict() / load_state_dict(): where a loader stands in its run.
+
+The main process knows which batches it yielded, so a state needs no round
+trip to the workers: it is put together from what was recorded as the
+epoch began and as batches were yielded.
+
+    at epoch start   the sampler's own state_dict() where it has one, else
+                     the loader generator's state and torch's global RNG
+                     state (what RandomSampler and friends draw from);
+                     the iterator's base seed (workers' seeds derive from it)
+    per batch        which epoch index was yielded; the yielding worker's
+                     state after that batch (its random/numpy/torch RNG
+                     states, and an IterableDataset's state_dict()), which
+                     each worker attaches to every batch it sends
+
+Resuming rebuilds the epoch start, draws (and drops) the indices of the
+batches already yielded, and starts each worker from its recorded state, so
+batch k + 1 onwards, augmentations included, are the uninterrupted run's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import random
+import warnings
+from array import array
+
+import numpy as np
+import torch
+
+STATE_VERSION = 1
+
+
+# ---- worker side --------------------------------------------------------------
+
+def worker_snapshot(stateful) -> bytes:
+    """This worker's RNG states (and `stateful`'s state_dict(), if given)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    rng = (version, array("I", internal).tobytes(), gauss, name, keys.tobytes(), pos,
+           has_gauss, cached, torch.get_rng_state().numpy().tobytes())
+    return pickle.dumps((rng, stateful.state_dict() if stateful is not None else None),
+                        pickle.HIGHEST_PROTOCOL)
+
+
+def restore_rng(snapshot: bytes) -> None:
+    rng, _ = pickle.loads(snapshot)
+    if rng is None:  # saved by the main process (num_workers=0): no worker RNG
+        return
+    version, internal, gauss, name, keys, pos, has_gauss, cached, torch_state = rng
+    random.setstate((version, tuple(array("I", internal)), gauss))
+    np.random.set_state((name, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss,
+                         cached))
+    torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
+
+
+def snapshot_dataset_state(snapshot: bytes):
+    return pickle.loads(snapshot)[1]
+
+
+# ---- main side ----------------------------------------------------------------
+
+@dataclasses.dataclass
+class Progress:
+    """Kept by the loader, updated by its iterators; state_dict() reads it."""
+
+    epoch: int = 0  # seed_per_sample's number of the current epoch
+    started: bool = False  # an iterator began this epoch
+    finished: bool = False  # ... and ran out
+    yielded: int = 0  # epoch indices below this were all yielded
+    yielded_beyond: set = dataclasses.field(default_factory=set)  # in_order=False
+    base_seed: int | None = None
+    generator_state: torch.Tensor | None = None  # loader.generator at epoch start
+    torch_rng_state: torch.Tensor | None = None  # torch's global RNG at epoch start
+    sampler_state: object = None  # the sampler's own state_dict() at epoch start
+    worker_states: list = dataclasses.field(default_factory=list)  # per worker, bytes
+
+    def epoch_begins(self, loader, epoch: int, base_seed: int | None, num_workers: int):
+        self.epoch, self.started, self.finished = epoch, True, False
+        self.yielded, self.yielded_beyond = 0, set()
+        self.base_seed = base_seed
+        self.generator_state = (loader.generator.get_state()
+                                if loader.generator is not None else None)
+        self.torch_rng_state = torch.get_rng_state()
+        stateful = _stateful_sampler(loader)
+        self.sampler_state = stateful.state_dict() if stateful is not None else None
+        if len(self.worker_states) != num_workers:
+            self.worker_states = [None] * num_workers
+
+    def begin_like(self, other: "Progress") -> None:
+        """Begin the epoch `other` recorded the start of (a prefetched one)."""
+        self.epoch, self.started, self.finished = other.epoch, True, False
+        self.yielded, self.yielded_beyond = 0, set()
+        self.base_seed = other.base_seed
+        self.generator_state = other.generator_state
+        self.torch_rng_state = other.torch_rng_state
+        self.sampler_state = other.sampler_state
+
+    def resumed_from(self, resume: "Resume") -> None:
+        """The epoch goes on where a loaded state left it."""
+        state = resume.state
+        self.yielded, self.yielded_beyond = resume.skip, set(resume.skip_beyond)
+        self.generator_state = state["generator_state"]
+        self.torch_rng_state = state["torch_rng_state"]
+        self.sampler_state = state["sampler_state"]
+        self.worker_states = [resume.worker_state(i) for i in range(len(self.worker_states))]
+
+    def batch_yielded(self, idx: int, worker_id, worker_state) -> None:
+        if idx < self.yielded:
+            return  # fetched again after resuming (replayed), counted already
+        if idx == self.yielded:
+            self.yielded += 1
+            while self.yielded in self.yielded_beyond:
+                self.yielded_beyond.discard(self.yielded)
+                self.yielded += 1
+        else:
+            self.yielded_beyond.add(idx)
+        if worker_state is not None:
+            self.worker_states[worker_id] = worker_state
+
+
+def _stateful_sampler(loader):
+    """The sampler whose own state_dict() records where an epoch starts."""
+    for sampler in (loader.batch_sampler, loader.sampler):
+        if callable(getattr(sampler, "state_dict", None)) and \
+                callable(getattr(sampler, "load_state_dict", None)):
+            return sampler
+    return None
+
+
+def _config(loader) -> dict:
+    try:
+        length = len(loader.dataset)
+    except TypeError:
+        length = None
+    return {
+        "dataset_length": length,
+        "batch_size": loader.batch_size,
+        "drop_last": loader.drop_last,
+        "num_workers": loader.num_workers,
+        "fetch": loader.fetch,
+        "iterable": loader._dataset_kind == 1,
+    }
+
+
+def state_dict(loader, progress: Progress) -> dict:
+    """A plain dict (ints, bools, bytes, lists, tensors) that torch.save keeps."""
+    finished = progress.finished or not progress.started
+    generator = loader.generator
+    return {
+        "version": STATE_VERSION,
+        "config": _config(loader),
+        # A finished epoch resumes with the next one, from the generator as
+        # it is now (the next iterator draws from it).
+        "epoch": progress.epoch + 1 if progress.started and progress.finished else progress.epoch,
+        "epoch_finished": finished,
+        "batches_yielded": 0 if finished else progress.yielded,
+        "batches_yielded_beyond": [] if finished else sorted(progress.yielded_beyond),
+        "base_seed": progress.base_seed,
+        "generator_state": (generator.get_state() if finished and generator is not None
+                            else progress.generator_state),
+        "torch_rng_state": None if finished else progress.torch_rng_state,
+        "sampler_state": None if finished else progress.sampler_state,
+        "worker_states": list(progress.worker_states),
+        "persistent_workers": loader.persistent_workers,
+    }
+
+
+def check_state(loader, state) -> dict:
+    """The state, if this loader can resume from it; else a clear error."""
+    if not isinstance(state, dict) or "version" not in state:
+        raise ValueError("load_state_dict expects a dict made by shmloader's "
+                         f"DataLoader.state_dict(), got {type(state).__name__}")
+    if state["version"] != STATE_VERSION:
+        raise ValueError(f"this state has version {state['version']}; this shmloader reads "
+                         f"version {STATE_VERSION}")
+    ours = _config(loader)
+    theirs = state["config"]
+    differ = [k for k in ours if theirs.get(k) != ours[k] and not (
+        k == "num_workers" and loader.seed_per_sample)]
+    if differ:
+        details = ", ".join(f"{k}={theirs.get(k)!r} there, {ours[k]!r} here" for k in differ)
+        raise ValueError(
+            f"this state was saved by a DataLoader configured differently ({details}); "
+            "a state resumes only the same dataset with the same batching. "
+            + ("(num_workers may differ with seed_per_sample=True.)"
+               if "num_workers" in differ else ""))
+    return state
+
+
+class Resume:
+    """A loaded state, consumed by the next iterator."""
+
+    def __init__(self, state: dict):
+        self.state = state
+        self.skip = state["batches_yielded"]
+        self.skip_beyond = set(state["batches_yielded_beyond"])
+
+    @property
+    def epoch(self) -> int:
+        return self.state["epoch"]
+
+    def base_seed(self, drawn: int, persistent: bool) -> int:
+        """The iterator's base seed: the saved one where it still applies."""
+        saved = self.state["base_seed"]
+        if saved is None or (self.state["epoch_finished"] and not persistent):
+            return drawn
+        return saved
+
+    def restore_generator(self, loader) -> None:
+        saved = self.state["generator_state"]
+        if saved is not None and loader.generator is not None:
+            loader.generator.set_state(saved)
+
+    def restore_sampler(self, loader) -> None:
+        stateful = _stateful_sampler(loader)
+        if stateful is not None and self.state["sampler_state"] is not None:
+            stateful.load_state_dict(self.state["sampler_state"])
+
+    def worker_state(self, worker_id: int):
+        states = self.state["worker_states"]
+        if worker_id < len(states) and (self.state["persistent_workers"] or
+                                        not self.state["epoch_finished"]):
+            return states[worker_id]
+        return None
+
+    def worker_dataset_state(self, worker_id: int):
+        return snapshot_dataset_state(self.state["worker_states"][worker_id])
+
+    def dataset_states(self) -> bool:
+        """Whether the workers' IterableDataset states were saved."""
+        return any(s is not None and snapshot_dataset_state(s) is not None
+                   for s in self.state["worker_states"])
+
+    def first_draw(self, draw):
+        """Draw the epoch's first indices as at the saved epoch start: with
+        torch's global RNG as it was then (RandomSampler without a generator
+        seeds itself from it), leaving the caller's RNG as it is."""
+        saved = self.state["torch_rng_state"]
+        if saved is None:
+            return draw()
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(saved)
+            return draw()
+
+
+def warn_replay(skip: int) -> None:
+    warnings.warn(
+        f"shmloader: resuming an IterableDataset without state_dict()/load_state_dict(): "
+        f"its first {skip} batches of this epoch are fetched again and dropped. Give the "
+        "dataset state_dict() and load_state_dict() to resume without replaying.",
+        stacklevel=4)
