@@ -1,0 +1,101 @@
+"""What resumability costs: state_dict() latency, and the per-batch price of the worker
+state every batch carries (see shmloader/_resume.py).
+
+    python benchmarks/resume_cost.py [--quick]
+
+state_dict() is called after every batch of a real epoch of each preset (2 workers), as
+a loop that checkpoints every step would; its latency is the median and worst of those
+calls. The per-batch price has two parts, both timed in this process: a worker taking
+its state after each batch (worker_snapshot, RNG states of random, numpy and torch), set
+against the time a worker spends on one batch in the same run; and the main process
+recording a yielded batch. The figures go to results/resume_cost.json.
+"""
+import argparse
+import io
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import report
+from workloads import PRESETS
+
+import shmloader
+from shmloader._resume import Progress, worker_snapshot
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "resume_cost.json"
+WORKERS = 2
+
+
+def per_call_us(fn, calls: int) -> float:
+    """Median over 5 rounds of the mean time of one call, in microseconds."""
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(rounds)
+
+
+def epoch_with_states(preset, batches: int) -> dict:
+    dataset = preset.make_dataset(batches * preset.batch_size, Path("."))
+    loader = shmloader.DataLoader(dataset, batch_size=preset.batch_size, shuffle=True,
+                                  num_workers=WORKERS, generator=torch.Generator().manual_seed(0))
+    latencies = []
+    start = time.perf_counter()
+    for _ in loader:
+        t = time.perf_counter()
+        state = loader.state_dict()
+        latencies.append(time.perf_counter() - t)
+    wall = time.perf_counter() - start - sum(latencies)
+    saved = io.BytesIO()
+    torch.save(state, saved)
+    return {
+        "batches": len(latencies),
+        "state_dict_median_us": statistics.median(latencies) * 1e6,
+        "state_dict_max_us": max(latencies) * 1e6,
+        "state_bytes": saved.getbuffer().nbytes,
+        # Each worker made batches / WORKERS batches in the epoch's wall time.
+        "worker_ms_per_batch": wall / (len(latencies) / WORKERS) * 1e3,
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer batches per preset")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    machine = report.machine()
+    print(report.machine_line(machine) + "\n")
+    snapshot_us = per_call_us(lambda: worker_snapshot(None), 200)
+    progress = Progress(worker_states=[None] * WORKERS)
+    counter = iter(range(10**9))
+    record_us = per_call_us(lambda: progress.batch_yielded(next(counter), 0, b"state"), 20000)
+    rows = {}
+    for name in ("uint8-224", "tiny", "f32-512"):
+        preset = PRESETS[name]
+        print(f"{name}: an epoch with state_dict() after every batch ...", file=sys.stderr)
+        figures = epoch_with_states(preset, preset.quick_batches if args.quick else preset.batches)
+        figures["snapshot_share"] = snapshot_us / 1e3 / figures["worker_ms_per_batch"]
+        rows[name] = figures
+    print(f"worker state per batch (worker_snapshot): {snapshot_us:.1f} us; main process "
+          f"recording a yielded batch: {record_us:.2f} us\n")
+    print(f"{'preset':<12}{'batches':>8}{'state_dict median':>19}{'max':>10}{'state size':>12}"
+          f"{'worker ms/batch':>17}{'snapshot share':>16}")
+    for name, f in rows.items():
+        print(f"{name:<12}{f['batches']:>8}{f['state_dict_median_us']:>16.1f} us"
+              f"{f['state_dict_max_us']:>7.0f} us{f['state_bytes']:>10} B"
+              f"{f['worker_ms_per_batch']:>17.2f}{f['snapshot_share']:>16.2%}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"command": sys.argv, "machine": machine,
+                                    "worker_snapshot_us": snapshot_us,
+                                    "record_batch_us": record_us, "presets": rows}, indent=2))
+    print(f"\nfigures written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
