@@ -39,7 +39,7 @@ from torch.utils.data.dataloader import (
     _sharding_worker_init_fn,
 )
 
-from . import _layout
+from . import _cuda, _layout
 from ._pool import WorkerDied, WorkerPool
 from ._resume import Progress, warn_replay
 from ._rings import create_ring
@@ -92,6 +92,13 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._arrivals = deque()
         self._row_errors = {}  # fetch="sample": task id -> {row: ExceptionWrapper}
         self._nslots = self._options.num_slots or self._prefetch_factor * self._num_workers + SPARE_SLOTS
+        device = loader.device
+        self._device_stage = _cuda.DeviceStage(device) if device is not None else None
+        # Pin the ring itself (once) where batches go to a CUDA device.
+        self._register = torch.cuda.is_available() and (
+            (self._pin_memory and self._pin_memory_device == "cuda")
+            or (device is not None and device.type == "cuda"))
+        self._registered = False
 
         ctx = loader.multiprocessing_context or torch.multiprocessing
         init_fn = loader.worker_init_fn
@@ -137,6 +144,15 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._ring = self._options.take_spare_ring(self._nslots, slot_bytes)
         if self._ring is None:
             self._ring = create_ring(self._nslots, slot_bytes)
+        if self._register:
+            self._registered = self._ring.release_hook is not None
+            if not self._registered:
+                failure = _cuda.register(self._ring)
+                self._registered = failure is None
+                if failure is not None and not self._counters.warned_register:
+                    self._counters.warned_register = True
+                    _warn(f"shmloader: could not pin the ring's memory with CUDA ({failure}); "
+                          "batches are pinned by torch's copy instead.")
         self._pool.send_ring(self._ring)
         if self._fetch == "sample":
             self._pool.broadcast(("layout", self._options.sample_layout))
@@ -168,6 +184,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     def _claim_slot(self) -> int:
         if self._ring is None:
             return MEASURE
+        if self._registered:
+            self._ring.release_hook.reclaim(self._ring)  # slots whose copies are done
         slot = self._ring.claim()
         if slot is not None:
             return slot
@@ -543,8 +561,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             data[2].reraise()
         batch, worker_state = self._unpack(data)
         self._progress.batch_yielded(idx, worker_id, worker_state)
-        if self._pin_memory:
+        if self._pin_memory and not (self._registered and _kind(data) == "slot"):
             batch = _utils.pin_memory.pin_memory(batch, self._pin_memory_device)
+        if self._device_stage is not None:
+            batch = self._device_stage(batch)
         return batch
 
     def _unpack(self, data):

@@ -50,10 +50,22 @@ cdef Ring _create(create_fn create, str where, uint32_t nslots, uint64_t slot_by
     return ring
 
 
+@cython.no_gc_clear
 cdef class Ring:
     cdef shmring_t *_r
+    # Consumer-side policy hooks (see _cuda.py), None unless set:
+    # release_hook(slot) is called instead of releasing a lease's slot (the
+    # hook releases it later with release()); on_destroy() runs before the
+    # mapping goes.
+    cdef public object release_hook
+    cdef public object on_destroy
 
     def __dealloc__(self):
+        if self.on_destroy is not None:
+            try:
+                self.on_destroy()
+            except Exception:
+                pass  # the process is exiting or the device is gone: unmap anyway
         if self._r is not NULL:
             shmring_destroy(self._r)
             self._r = NULL
@@ -90,6 +102,15 @@ cdef class Ring:
     @property
     def total_bytes(self):
         return shmring_total_bytes(self._r)
+
+    @property
+    def data_address(self):
+        """Address of slot 0's data in this process; all slots follow it."""
+        return <size_t>shmring_slot_data(self._r, 0)
+
+    @property
+    def data_bytes(self):
+        return <uint64_t>shmring_nslots(self._r) * shmring_slot_bytes(self._r)
 
     @property
     def fds(self):
@@ -214,7 +235,6 @@ cdef class Ring:
 
 
 @cython.no_gc_clear
-@cython.no_gc_clear
 cdef class SlotMemory:
     """One slot's bytes as a writable buffer; keeps its Ring mapped."""
     cdef readonly Ring ring
@@ -286,11 +306,20 @@ cdef class SlotLease(SlotMemory):
     def release(self):
         if not self._released:
             self._released = True
-            self.ring.release(self.slot)
+            if self.ring.release_hook is not None:
+                self.ring.release_hook(self.slot)
+            else:
+                self.ring.release(self.slot)
 
     def __dealloc__(self):
         if not self._released and self.ring is not None:
             self._released = True
+            if self.ring.release_hook is not None:
+                try:
+                    self.ring.release_hook(self.slot)
+                    return
+                except Exception:
+                    pass  # the hook failed: give the slot back at once
             shmring_release(self.ring._r, self.slot)
 
 

@@ -7,6 +7,7 @@ import pickle
 
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
+from ._cuda import DeviceStage
 from ._resume import warn_replay
 
 
@@ -27,6 +28,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         super().__init__(loader)
         self._progress = loader._progress
         self._progress.epoch_begins(loader, loader._next_epoch(), None, 1)
+        self._device_stage = DeviceStage(loader.device) if loader.device is not None else None
         self._next_idx = 0  # epoch index of the next batch
         self._replay = 0
         self._pending_first_draw = None
@@ -72,4 +74,6 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         if self._stateful is not None:
             state = pickle.dumps((None, self._stateful.state_dict()), pickle.HIGHEST_PROTOCOL)
         self._progress.batch_yielded(idx, 0, state)
+        if self._device_stage is not None:
+            data = self._device_stage(data)
         return data

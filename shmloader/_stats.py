@@ -92,14 +92,15 @@ _COUNTED = ("batches", "samples", "wait_seconds", "wall_seconds", "slot_batches"
 class Counters:
     """The mutable counters behind LoaderStats, shared by a loader's iterators."""
 
-    __slots__ = _COUNTED + ("occupancy_sum", "warned_ring_full", "warned_spill", "_ring",
-                            "_workers", "_retired")
+    __slots__ = _COUNTED + ("occupancy_sum", "warned_ring_full", "warned_spill",
+                            "warned_register", "_ring", "_workers", "_retired")
 
     def __init__(self):
         for name in _COUNTED + ("occupancy_sum",):
             setattr(self, name, 0)
         self.warned_ring_full = False
         self.warned_spill = False
+        self.warned_register = False
         self._ring = None  # the ring whose worker counters are live
         self._workers = 0
         self._retired = []  # [busy_ns, samples, batches, bytes] per worker, of older rings

@@ -7,6 +7,7 @@ import torch.utils.data
 from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.collate import default_collate
 
+from ._cuda import check_device
 from ._iterator import ShmLoaderIter
 from ._resume import Progress, Resume, check_state, state_dict
 from ._single import SingleProcessIter
@@ -119,6 +120,15 @@ class DataLoader(torch.utils.data.DataLoader):
             iter() yields at once.  If, by that iter(), the sampler or the
             generator changed (set_epoch with another value, a reseeded
             generator), the prefetched batches are dropped and fetched again.
+        device: None (default): batches stay on the CPU, as torch's.  A
+            device ("cuda", torch.device("cuda:1"), ...): the loader copies
+            each batch there itself (for CUDA on a side stream, from the
+            ring's memory pinned once) and yields tensors that are safe to
+            use on the stream current at that moment.  "cpu" changes nothing.
+
+    pin_memory=True with CUDA pins the ring's memory once instead of copying
+    every batch into pinned memory; a slot is reused only after the copies
+    reading it (non_blocking ones included) have finished.
     """
 
     def __init__(
@@ -147,6 +157,7 @@ class DataLoader(torch.utils.data.DataLoader):
         assignment=None,
         seed_per_sample=False,
         prefetch_next_epoch=False,
+        device=None,
     ):
         _check_positive_int("slot_bytes", slot_bytes, upper=2**62)
         _check_positive_int("num_slots", num_slots, upper=MAX_SLOTS)
@@ -177,6 +188,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self.fetch, self.assignment = _check_fetch(self, fetch, assignment)
         self.seed_per_sample = _check_flag("seed_per_sample", seed_per_sample)
         self.prefetch_next_epoch = _check_flag("prefetch_next_epoch", prefetch_next_epoch)
+        self.device = check_device(device)
         _check_map_style(self)
         self._warn_if_ring_too_small()
 

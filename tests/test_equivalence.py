@@ -590,7 +590,7 @@ def test_signature_matches_torch():
     tp = inspect.signature(TorchDataLoader.__init__).parameters
     sp = dict(inspect.signature(ShmDataLoader.__init__).parameters)
     defaults = dict(slot_bytes=None, num_slots=None, fetch="batch", assignment=None,
-                    seed_per_sample=False, prefetch_next_epoch=False)
+                    seed_per_sample=False, prefetch_next_epoch=False, device=None)
     extra = {k: sp.pop(k) for k in defaults}
     assert [(p.name, p.kind, p.default) for p in tp.values()] == \
            [(p.name, p.kind, p.default) for p in sp.values()]
