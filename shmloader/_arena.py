@@ -30,17 +30,21 @@ class SlotFull(Exception):
 class Arena:
     """Allocates aligned regions of one slot, front to back, for one batch."""
 
-    def __init__(self, memory, storage: torch.UntypedStorage):
+    def __init__(self, memory, storage: torch.UntypedStorage, reserve: int = 0):
+        """`reserve`: bytes at the slot's end that only the metadata may use
+        (it carries the worker's state, see _resume.STATE_BYTES)."""
         self._memory = memory  # SlotMemory: keeps the mapping alive
         self._storage = storage
         self._base = storage.data_ptr()
         self._capacity = storage.nbytes()
+        self._data_capacity = max(0, self._capacity - reserve)
         self.used = 0
 
-    def _alloc(self, nbytes: int) -> int:
+    def _alloc(self, nbytes: int, capacity: int | None = None) -> int:
+        capacity = self._data_capacity if capacity is None else capacity
         offset = (self.used + ALIGN - 1) // ALIGN * ALIGN
-        if offset + nbytes > self._capacity:
-            raise SlotFull(f"{offset + nbytes} bytes needed, slot holds {self._capacity}")
+        if offset + nbytes > capacity:
+            raise SlotFull(f"{offset + nbytes} bytes needed, slot holds {capacity}")
         self.used = offset + nbytes
         return offset
 
@@ -93,7 +97,7 @@ class Arena:
                 _layout.span_elements(leaf.shape, stride), leaf.requires_grad)
 
     def write_meta(self, meta: bytes) -> tuple[int, int]:
-        offset = self._alloc(len(meta))
+        offset = self._alloc(len(meta), self._capacity)
         self._memory.write(offset, meta)
         return offset, len(meta)
 

@@ -41,7 +41,7 @@ from torch.utils.data.dataloader import (
 
 from . import _cuda, _layout
 from ._pool import WorkerDied, WorkerPool
-from ._resume import Progress, warn_replay
+from ._resume import STATE_BYTES, Progress, carries_state, warn_replay
 from ._rings import create_ring
 from ._sampler_state import SamplerState
 from ._worker import MEASURE, NO_SLOT
@@ -99,6 +99,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             (self._pin_memory and self._pin_memory_device == "cuda")
             or (device is not None and device.type == "cuda"))
         self._registered = False
+        # Slot room beyond the batch's own for the worker state it carries.
+        self._state_bytes = STATE_BYTES if carries_state(
+            self._dataset_kind, loader.seed_per_sample) else 0
 
         ctx = loader.multiprocessing_context or torch.multiprocessing
         init_fn = loader.worker_init_fn
@@ -140,7 +143,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     # ---- ring -------------------------------------------------------------
 
     def _start_ring(self, slot_bytes: int) -> None:
-        slot_bytes = max(slot_bytes, self._options.slot_bytes or 0)
+        slot_bytes = max(slot_bytes, self._options.slot_bytes or 0) + self._state_bytes
         self._ring = self._options.take_spare_ring(self._nslots, slot_bytes)
         if self._ring is None:
             self._ring = create_ring(self._nslots, slot_bytes)
@@ -596,7 +599,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         if not self._counters.warned_spill:
             self._counters.warned_spill = True
             _warn(
-                f"shmloader: a batch did not fit its {self._ring.slot_bytes}-byte slot and was "
+                f"shmloader: a batch did not fit its "
+                f"{self._ring.slot_bytes - self._state_bytes}-byte slot and was "
                 "delivered whole by torch's (slower) transport; later ones that do not fit "
                 "will be too. Pass slot_bytes= to size slots for your largest batch."
             )

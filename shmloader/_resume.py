@@ -29,6 +29,16 @@ import numpy as np
 import torch
 
 STATE_VERSION = 1
+# Room kept at the end of every slot for the worker state its batch carries
+# (about 10 KB of RNG states, plus an IterableDataset's state), so that it
+# never makes a batch spill.
+STATE_BYTES = 16384
+
+
+def carries_state(dataset_kind: int, seed_per_sample: bool) -> bool:
+    """Whether each batch carries its worker's state: always, except where
+    positions alone decide the RNG (seed_per_sample over a map-style dataset)."""
+    return dataset_kind == 1 or not seed_per_sample  # 1: _DatasetKind.Iterable
 
 
 # ---- worker side --------------------------------------------------------------

@@ -18,6 +18,8 @@ from libc.errno cimport EAGAIN, EINTR, ETIMEDOUT
 from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
+from posix.types cimport pid_t
+from posix.unistd cimport getpid
 
 FREE = SHMRING_FREE
 CLAIMED = SHMRING_CLAIMED
@@ -41,6 +43,7 @@ ctypedef int (*create_fn)(const char *, uint32_t, uint64_t, shmring_t **) noexce
 
 cdef Ring _create(create_fn create, str where, uint32_t nslots, uint64_t slot_bytes):
     cdef Ring ring = Ring.__new__(Ring)
+    ring._owner = getpid()
     cdef bytes path = where.encode()
     cdef const char *cpath = path
     cdef int rc
@@ -59,9 +62,10 @@ cdef class Ring:
     # mapping goes.
     cdef public object release_hook
     cdef public object on_destroy
+    cdef pid_t _owner  # on_destroy runs only here, never in a forked child
 
     def __dealloc__(self):
-        if self.on_destroy is not None:
+        if self.on_destroy is not None and getpid() == self._owner:
             try:
                 self.on_destroy()
             except Exception:
@@ -85,6 +89,7 @@ cdef class Ring:
     def attach(int fd, int efd):
         """Map a ring received as file descriptors; verifies owner and header."""
         cdef Ring ring = Ring.__new__(Ring)
+        ring._owner = getpid()
         cdef int rc
         with nogil:
             rc = shmring_attach(fd, efd, &ring._r)
@@ -146,6 +151,7 @@ cdef class Ring:
         _check(rc, "acquiring a slot")
         cdef SlotLease lease = SlotLease.__new__(SlotLease)
         lease._bind(self, slot)
+        lease._owner = getpid()
         lease.seq = seq
         lease.meta_off = meta_off
         lease.meta_len = meta_len
@@ -292,19 +298,24 @@ cdef class SlotMemory:
 cdef class SlotLease(SlotMemory):
     """A READY slot taken by the consumer.  Tensors built on it (through
     torch.frombuffer or numpy) hold it alive; when the last one dies, the slot
-    goes back to the ring.  release() is idempotent."""
+    goes back to the ring.  release() is idempotent.
+
+    Only the process that acquired the slot gives it back: a forked child
+    (a worker of another loader, say) inherits copies of the consumer's leases,
+    and their deaths in the child must not free slots the consumer holds."""
     cdef readonly uint64_t seq
     cdef readonly uint64_t meta_off
     cdef readonly uint64_t meta_len
     cdef readonly uint32_t rows         # row-by-row batches: rows, and those
     cdef readonly uint32_t failed_rows  # whose sample raised
     cdef bint _released
+    cdef pid_t _owner
 
     def meta(self):
         return self.read(self.meta_off, self.meta_len)
 
     def release(self):
-        if not self._released:
+        if not self._released and getpid() == self._owner:
             self._released = True
             if self.ring.release_hook is not None:
                 self.ring.release_hook(self.slot)
@@ -312,7 +323,7 @@ cdef class SlotLease(SlotMemory):
                 self.ring.release(self.slot)
 
     def __dealloc__(self):
-        if not self._released and self.ring is not None:
+        if not self._released and self.ring is not None and getpid() == self._owner:
             self._released = True
             if self.ring.release_hook is not None:
                 try:

@@ -64,7 +64,8 @@ from torch.utils.data.graph_settings import apply_random_seed
 
 from . import _layout
 from ._arena import Arena, SlotCollate, slot_bytes_needed
-from ._resume import restore_rng, snapshot_dataset_state, worker_snapshot
+from ._resume import (STATE_BYTES, carries_state, restore_rng, snapshot_dataset_state,
+                      worker_snapshot)
 from ._ring import Ring
 from ._samples import SampleLayout
 from ._seeding import seed_sample
@@ -191,8 +192,8 @@ class _Slots:
             self._storages[slot] = (memory, storage)
         return self._storages[slot]
 
-    def arena(self, slot: int) -> Arena:
-        return Arena(*self.slot(slot))
+    def arena(self, slot: int, reserve: int) -> Arena:
+        return Arena(*self.slot(slot), reserve=reserve)
 
 
 class _Busy:
@@ -365,9 +366,7 @@ class _Work:
         self.layout = None  # fetch="sample": the SampleLayout once known
         self.probed = None  # (task_id, sample) fetched by a probe, for row 0
         self.stateful = stateful  # an IterableDataset with state_dict(), or None
-        # Whether a batch's worker state can matter on resuming: not under
-        # seed_per_sample, where positions alone decide the RNG.
-        self.snapshots = stateful is not None or not cfg.seed_per_sample
+        self.snapshots = carries_state(cfg.dataset_kind, cfg.seed_per_sample)
 
     def give_back(self, slot):
         if slot >= 0:
@@ -379,7 +378,8 @@ class _Work:
         """Fetch and deliver one batch.  Returns (pipe reply or None, iteration_end)."""
         cfg = self.cfg
         self.busy.start()
-        arena = self.slots.arena(slot) if slot >= 0 else None
+        arena = self.slots.arena(slot, STATE_BYTES if self.snapshots else 0) \
+            if slot >= 0 else None
         if self.slot_collate is not None:
             self.slot_collate.arena = arena
         try:

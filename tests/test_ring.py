@@ -262,3 +262,27 @@ def test_segment_is_private_to_its_user(ring):
     st = os.fstat(ring.fds[0])
     assert st.st_uid == os.geteuid()
     assert st.st_mode & 0o777 == 0o600
+
+
+def test_a_forked_child_dropping_a_lease_leaves_the_slot_to_its_owner():
+    """A worker forked while the main process holds batches inherits copies of their
+    leases; when the child drops them (exit, garbage collection) the parent's slot must
+    stay taken, or the parent's batch could be overwritten."""
+    import gc
+
+    ring = Ring.create_in("/dev/shm", 2, 4096)
+    slot = ring.claim()
+    ring.publish(slot, 1, 0, 0)
+    lease = ring.acquire()
+    view = torch.frombuffer(lease, dtype=torch.uint8)
+    pid = os.fork()
+    if pid == 0:
+        del view, lease
+        gc.collect()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0
+    assert ring.slot_state(slot) == _ring.READING
+    del view, lease
+    gc.collect()
+    assert ring.slot_state(slot) == _ring.FREE

@@ -84,13 +84,14 @@ def test_oversize_batch_spills_whole_and_is_counted():
         def __getitem__(self, i):
             return torch.full((i + 1, 256), i % 251, dtype=torch.uint8)
 
-    # A local class is fine under fork.  Samples 0-14 fit a 4096-byte slot.
+    # A local class is fine under fork.  Samples 0-15 fit a 4096-byte slot (the
+    # metadata may use the room kept for the worker state).
     loader = DataLoader(Growing(40), batch_size=None, num_workers=2, slot_bytes=1024)
     with pytest.warns(UserWarning, match="did not fit its 4096-byte slot"):
         for i, t in enumerate(loader):
             assert t.shape == (i + 1, 256) and bool((t == i % 251).all())
     stats = loader.stats()
-    assert stats.spilled_batches >= 25 and stats.slot_batches >= 10
+    assert stats.spilled_batches >= 24 and stats.slot_batches >= 10
     assert stats.spilled_batches + stats.slot_batches == 40
 
 
