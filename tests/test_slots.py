@@ -96,16 +96,17 @@ def test_oversize_batch_spills_whole_and_is_counted():
 
 
 def test_default_collate_spill_is_not_corrupted_by_slot_reuse():
-    # Stacked into the slot, then the metadata (a long string list) overflows it.
+    # Stacked into the slot, then the metadata (a long string list) overflows it,
+    # room for the worker state included.
     class Named(Images):
         def __getitem__(self, i):
-            return super().__getitem__(i), "x" * 900 + str(i)
+            return super().__getitem__(i), "x" * 9000 + str(i)
 
     loader = DataLoader(Named(64), batch_size=4, num_workers=2, slot_bytes=4096)
     with pytest.warns(UserWarning, match="did not fit"):
         for b, (images, names) in enumerate(loader):
             assert torch.equal(images, _expected(64, 4)[b])
-            assert names == tuple("x" * 900 + str(i) for i in range(b * 4, b * 4 + 4))
+            assert names == tuple("x" * 9000 + str(i) for i in range(b * 4, b * 4 + 4))
 
 
 def test_slot_size_learned_from_first_batch():
