@@ -23,9 +23,7 @@ import contextlib
 import functools
 import itertools
 import os
-import sys
 import time
-import warnings
 from collections import deque
 from multiprocessing.connection import wait as wait_fds
 
@@ -33,7 +31,6 @@ import torch
 from torch.utils.data import _utils
 from torch.utils.data.dataloader import (
     IterDataPipe,
-    _DatasetKind,
     MapDataPipe,
     _BaseDataLoaderIter,
     _sharding_worker_init_fn,
@@ -41,9 +38,10 @@ from torch.utils.data.dataloader import (
 
 from . import _cuda, _layout
 from ._pool import WorkerDied, WorkerPool
-from ._resume import STATE_BYTES, Progress, carries_state, warn_replay
+from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
 from ._rings import create_ring
 from ._sampler_state import SamplerState
+from ._warn import warn
 from ._worker import MEASURE, NO_SLOT
 
 # Slots beyond the prefetch_factor * num_workers batches in flight: the batch
@@ -53,20 +51,11 @@ from ._worker import MEASURE, NO_SLOT
 SPARE_SLOTS = 4
 
 
-# Warnings point at the user's line, past shmloader's and torch's loader frames.
-_INTERNAL_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.utils.data.__file__))
-
-
-def _warn(message: str) -> None:
-    frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, stacklevel=level)
-
-
 class ShmLoaderIter(_BaseDataLoaderIter):
     def __init__(self, loader) -> None:
         resume = loader._take_resume()
+        rng_before = torch.get_rng_state() if resume is not None and loader.generator is None \
+            else None
         super().__init__(loader)
         self._progress = loader._progress
         self._resume = resume
@@ -74,9 +63,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._skip = set()  # epoch indices not to fetch again (in_order=False resume)
         self._pending_first_draw = None
         if resume is not None:
-            self._base_seed = resume.base_seed(self._base_seed, self._persistent_workers)
-            if not resume.state["epoch_finished"]:
-                resume.restore_generator(loader)
+            self._base_seed = resume.settle_base_seed(loader, self._base_seed,
+                                                      self._persistent_workers, rng_before)
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         self._counters = loader._counters
@@ -154,7 +142,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 self._registered = failure is None
                 if failure is not None and not self._counters.warned_register:
                     self._counters.warned_register = True
-                    _warn(f"shmloader: could not pin the ring's memory with CUDA ({failure}); "
+                    warn(f"shmloader: could not pin the ring's memory with CUDA ({failure}); "
                           "batches are pinned by torch's copy instead.")
         self._pool.send_ring(self._ring)
         if self._fetch == "sample":
@@ -194,7 +182,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             return slot
         if not self._counters.warned_ring_full:
             self._counters.warned_ring_full = True
-            _warn(
+            warn(
                 f"shmloader: all {self._ring.nslots} ring slots are in use (batches still "
                 "referenced by your code, plus those in flight); further batches travel by "
                 "torch's transport until slots are released. Ring memory stays capped at "
@@ -211,13 +199,15 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             self._adopt_next_epoch()
             return
         resume, self._resume = self._resume, None
-        if resume is not None and not resume.state["epoch_finished"]:
+        if resume is not None and resume.finished:
+            resume = None  # already applied: the new epoch starts as any other
+        if resume is not None:
             resume.restore_sampler(loader)
-        else:
-            resume = None
-        super()._reset(loader, first_iter)
         self._epoch = loader._next_epoch()  # numbers epochs for seed_per_sample
-        self._progress.epoch_begins(loader, self._epoch, self._base_seed, self._num_workers)
+        # Before super()._reset, which runs iter() on the sampler.
+        self._progress.epoch_begins(loader, self._epoch, self._base_seed, self._num_workers,
+                                    sampler_state(loader))
+        super()._reset(loader, first_iter)
         self._position = 0  # epoch position of the next sample to dispatch
         self._epoch_base += self._send_idx  # task ids stay unique across epochs
         self._send_idx = 0  # epoch index of the next task to send
@@ -243,9 +233,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         without state_dict, those batches are fetched again and dropped."""
         self._progress.resumed_from(resume)
         self._num_yielded = resume.skip + len(resume.skip_beyond)
-        if self._dataset_kind == _DatasetKind.Iterable and not resume.dataset_states():
-            self._replay = resume.skip + len(resume.skip_beyond)
-            warn_replay(self._replay)
+        if resume.replay:
+            self._replay = resume.replayed
+            if self._replay:
+                warn(replay_message(self._replay))
             return
         self._pending_first_draw = resume
         for _ in range(resume.skip):
@@ -277,7 +268,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         SamplerState.advance_epoch(loader, self._epoch)
         self._next_epoch_start = Progress()
         self._next_epoch_start.epoch_begins(loader, self._epoch, self._base_seed,
-                                            self._num_workers)
+                                            self._num_workers, sampler_state(loader))
+        self._progress.next_start = self._next_epoch_start
         self._sampler_iter = iter(self._index_sampler)
         self._position = 0
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
@@ -296,7 +288,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._progress.begin_like(self._next_epoch_start)
         self._counters.prefetched_epochs += 1
         with self._failing_workers():
-            while self._tasks_outstanding < self._prefetch_factor * self._num_workers:
+            # Tasks not yet yielded, in flight or arrived, as torch's reset primes.
+            while len(self._task_info) < self._prefetch_factor * self._num_workers:
                 sent = self._send_idx
                 self._try_put_index()
                 if self._send_idx == sent:
@@ -598,7 +591,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     def _warn_spill(self) -> None:
         if not self._counters.warned_spill:
             self._counters.warned_spill = True
-            _warn(
+            warn(
                 f"shmloader: a batch did not fit its "
                 f"{self._ring.slot_bytes - self._state_bytes}-byte slot and was "
                 "delivered whole by torch's (slower) transport; later ones that do not fit "

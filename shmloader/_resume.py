@@ -16,13 +16,21 @@ epoch began and as batches were yielded.
 Resuming rebuilds the epoch start, draws (and drops) the indices of the
 batches already yielded, and starts each worker from its recorded state, so
 batch k + 1 onwards, augmentations included, are the uninterrupted run's.
+A new iterator draws a base seed (from the generator, or torch's global RNG
+without one); where the uninterrupted run would not have drawn it (mid-epoch,
+or persistent workers), the draw is undone.
+
+The state is plain data (ints, floats, bytes, strings, lists, dicts,
+tensors): loading one unpickles nothing, so torch.load(weights_only=True)
+reads it and a crafted checkpoint cannot run code through it.  Workers'
+states travel pickled from worker to main (both the loader's own processes)
+and become plain data only when state_dict() is called.
 """
 from __future__ import annotations
 
 import dataclasses
 import pickle
 import random
-import warnings
 from array import array
 
 import numpy as np
@@ -44,7 +52,8 @@ def carries_state(dataset_kind: int, seed_per_sample: bool) -> bool:
 # ---- worker side --------------------------------------------------------------
 
 def worker_snapshot(stateful) -> bytes:
-    """This worker's RNG states (and `stateful`'s state_dict(), if given)."""
+    """This worker's RNG states (and `stateful`'s state_dict(), if given),
+    pickled: cheap to take after every batch."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
     rng = (version, array("I", internal).tobytes(), gauss, name, keys.tobytes(), pos,
@@ -53,22 +62,38 @@ def worker_snapshot(stateful) -> bytes:
                         pickle.HIGHEST_PROTOCOL)
 
 
-def restore_rng(snapshot: bytes) -> None:
-    rng, _ = pickle.loads(snapshot)
-    if rng is None:  # saved by the main process (num_workers=0): no worker RNG
-        return
+def plain_worker_state(snapshot) -> dict | None:
+    """A worker_snapshot() as plain data (what a state_dict holds)."""
+    if snapshot is None or isinstance(snapshot, dict):
+        return snapshot
+    rng, dataset_state = pickle.loads(snapshot)
     version, internal, gauss, name, keys, pos, has_gauss, cached, torch_state = rng
-    random.setstate((version, tuple(array("I", internal)), gauss))
-    np.random.set_state((name, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss,
-                         cached))
-    torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
+    return {
+        "random": {"version": version, "internal": internal, "gauss": gauss},
+        "numpy": {"name": name, "keys": keys, "pos": pos, "has_gauss": has_gauss,
+                  "cached": cached},
+        "torch": torch.frombuffer(bytearray(torch_state), dtype=torch.uint8),
+        "dataset": dataset_state,
+    }
 
 
-def snapshot_dataset_state(snapshot: bytes):
-    return pickle.loads(snapshot)[1]
+def restore_worker_rng(state: dict) -> None:
+    """Set this worker's random, numpy and torch RNGs from a plain worker state."""
+    r, n = state["random"], state["numpy"]
+    random.setstate((r["version"], tuple(array("I", r["internal"])), r["gauss"]))
+    np.random.set_state((n["name"], np.frombuffer(n["keys"], dtype=np.uint32).copy(), n["pos"],
+                         n["has_gauss"], n["cached"]))
+    torch.set_rng_state(state["torch"])
 
 
 # ---- main side ----------------------------------------------------------------
+
+def sampler_state(loader):
+    """The loader's sampler's own state_dict(), where it has one: taken before
+    iter() runs the sampler (a sampler may do its work in __iter__)."""
+    stateful = _stateful_sampler(loader)
+    return stateful.state_dict() if stateful is not None else None
+
 
 @dataclasses.dataclass
 class Progress:
@@ -83,28 +108,42 @@ class Progress:
     generator_state: torch.Tensor | None = None  # loader.generator at epoch start
     torch_rng_state: torch.Tensor | None = None  # torch's global RNG at epoch start
     sampler_state: object = None  # the sampler's own state_dict() at epoch start
-    worker_states: list = dataclasses.field(default_factory=list)  # per worker, bytes
+    # Whether the epoch's sampler drew already (at iter() with workers, which
+    # prime their tasks; at the first next() without).
+    sampler_started: bool = False
+    worker_states: list = dataclasses.field(default_factory=list)  # per worker
+    # ... as they were when the epoch began (an epoch replayed from its start
+    # restarts persistent workers from these).
+    epoch_start_worker_states: list = dataclasses.field(default_factory=list)
+    # prefetch_next_epoch: the start of the next epoch, already drawn from.
+    next_start: "Progress | None" = None
 
-    def epoch_begins(self, loader, epoch: int, base_seed: int | None, num_workers: int):
+    def epoch_begins(self, loader, epoch: int, base_seed: int | None, num_workers: int,
+                     sampler_state, sampler_started: bool = True) -> None:
         self.epoch, self.started, self.finished = epoch, True, False
+        self.sampler_started = sampler_started
         self.yielded, self.yielded_beyond = 0, set()
         self.base_seed = base_seed
         self.generator_state = (loader.generator.get_state()
                                 if loader.generator is not None else None)
         self.torch_rng_state = torch.get_rng_state()
-        stateful = _stateful_sampler(loader)
-        self.sampler_state = stateful.state_dict() if stateful is not None else None
+        self.sampler_state = sampler_state
+        self.next_start = None
         if len(self.worker_states) != num_workers:
             self.worker_states = [None] * num_workers
+        self.epoch_start_worker_states = list(self.worker_states)
 
     def begin_like(self, other: "Progress") -> None:
         """Begin the epoch `other` recorded the start of (a prefetched one)."""
         self.epoch, self.started, self.finished = other.epoch, True, False
+        self.sampler_started = True
         self.yielded, self.yielded_beyond = 0, set()
+        self.epoch_start_worker_states = list(self.worker_states)
         self.base_seed = other.base_seed
         self.generator_state = other.generator_state
         self.torch_rng_state = other.torch_rng_state
         self.sampler_state = other.sampler_state
+        self.next_start = None
 
     def resumed_from(self, resume: "Resume") -> None:
         """The epoch goes on where a loaded state left it."""
@@ -113,7 +152,9 @@ class Progress:
         self.generator_state = state["generator_state"]
         self.torch_rng_state = state["torch_rng_state"]
         self.sampler_state = state["sampler_state"]
+        self.sampler_started = state["sampler_started"]
         self.worker_states = [resume.worker_state(i) for i in range(len(self.worker_states))]
+        self.epoch_start_worker_states = list(state["epoch_start_worker_states"])
 
     def batch_yielded(self, idx: int, worker_id, worker_state) -> None:
         if idx < self.yielded:
@@ -154,24 +195,33 @@ def _config(loader) -> dict:
 
 
 def state_dict(loader, progress: Progress) -> dict:
-    """A plain dict (ints, bools, bytes, lists, tensors) that torch.save keeps."""
+    """A plain dict (see the module's note) that torch.save keeps."""
     finished = progress.finished or not progress.started
     generator = loader.generator
+    generator_now = generator.get_state() if generator is not None else None
+    sampler_now = sampler_state(loader)
+    if finished and progress.next_start is not None:
+        # The next epoch was prefetched: it starts from where the generator
+        # and sampler stood before it was drawn.
+        generator_now = progress.next_start.generator_state
+        sampler_now = progress.next_start.sampler_state
     return {
         "version": STATE_VERSION,
         "config": _config(loader),
-        # A finished epoch resumes with the next one, from the generator as
-        # it is now (the next iterator draws from it).
+        # A finished epoch resumes with the next one, from the generator and
+        # the sampler as they are now (the next iterator starts from them).
         "epoch": progress.epoch + 1 if progress.started and progress.finished else progress.epoch,
         "epoch_finished": finished,
         "batches_yielded": 0 if finished else progress.yielded,
         "batches_yielded_beyond": [] if finished else sorted(progress.yielded_beyond),
-        "base_seed": progress.base_seed,
-        "generator_state": (generator.get_state() if finished and generator is not None
-                            else progress.generator_state),
+        "base_seed": progress.base_seed if progress.started else None,
+        "generator_state": generator_now if finished else progress.generator_state,
         "torch_rng_state": None if finished else progress.torch_rng_state,
-        "sampler_state": None if finished else progress.sampler_state,
-        "worker_states": list(progress.worker_states),
+        "sampler_started": progress.sampler_started and not finished,
+        "sampler_state": sampler_now if finished else progress.sampler_state,
+        "worker_states": [plain_worker_state(s) for s in progress.worker_states],
+        "epoch_start_worker_states": [] if finished else
+        [plain_worker_state(s) for s in progress.epoch_start_worker_states],
         "persistent_workers": loader.persistent_workers,
     }
 
@@ -201,21 +251,32 @@ def check_state(loader, state) -> dict:
 class Resume:
     """A loaded state, consumed by the next iterator."""
 
-    def __init__(self, state: dict):
+    def __init__(self, loader, state: dict):
         self.state = state
+        self.finished = state["epoch_finished"]
         self.skip = state["batches_yielded"]
         self.skip_beyond = set(state["batches_yielded_beyond"])
+        # An IterableDataset that cannot say where it was is replayed.
+        self.replay = loader._dataset_kind == 1 and \
+            not callable(getattr(loader.dataset, "load_state_dict", None))
+        if self.finished:
+            # The next iterator starts from these (a non-persistent one draws
+            # its base seed from the generator first).
+            self.restore_generator(loader)
+            self.restore_sampler(loader)
 
-    @property
-    def epoch(self) -> int:
-        return self.state["epoch"]
-
-    def base_seed(self, drawn: int, persistent: bool) -> int:
-        """The iterator's base seed: the saved one where it still applies."""
-        saved = self.state["base_seed"]
-        if saved is None or (self.state["epoch_finished"] and not persistent):
+    def settle_base_seed(self, loader, drawn: int, persistent: bool, rng_before) -> int:
+        """The new iterator's base seed.  Where the uninterrupted run drew no
+        new one here (mid-epoch, or a persistent iterator), the saved seed
+        stands and the new iterator's draw is undone."""
+        if self.finished and (not persistent or self.state["base_seed"] is None):
             return drawn
-        return saved
+        if loader.generator is not None:
+            self.restore_generator(loader)
+        elif rng_before is not None:
+            torch.set_rng_state(rng_before)
+        saved = self.state["base_seed"]
+        return drawn if saved is None else saved
 
     def restore_generator(self, loader) -> None:
         saved = self.state["generator_state"]
@@ -227,36 +288,42 @@ class Resume:
         if stateful is not None and self.state["sampler_state"] is not None:
             stateful.load_state_dict(self.state["sampler_state"])
 
-    def worker_state(self, worker_id: int):
-        states = self.state["worker_states"]
-        if worker_id < len(states) and (self.state["persistent_workers"] or
-                                        not self.state["epoch_finished"]):
-            return states[worker_id]
-        return None
+    def worker_state(self, worker_id: int) -> dict | None:
+        """What worker `worker_id` starts from (None: seeded afresh): its RNG
+        states, and its dataset's state mid-epoch only (a finished epoch's is
+        at its end)."""
+        persistent = self.state["persistent_workers"]
+        if self.finished:
+            states = self.state["worker_states"]
+            if not persistent or worker_id >= len(states) or states[worker_id] is None:
+                return None
+            return {**states[worker_id], "dataset": None}
+        # An epoch replayed from its start (a persistent worker went on from
+        # the previous epoch's state; a fresh one was seeded afresh).
+        states = self.state["epoch_start_worker_states" if self.replay else "worker_states"]
+        if worker_id >= len(states) or (self.replay and not persistent):
+            return None
+        return states[worker_id]
 
-    def worker_dataset_state(self, worker_id: int):
-        return snapshot_dataset_state(self.state["worker_states"][worker_id])
-
-    def dataset_states(self) -> bool:
-        """Whether the workers' IterableDataset states were saved."""
-        return any(s is not None and snapshot_dataset_state(s) is not None
-                   for s in self.state["worker_states"])
+    @property
+    def replayed(self) -> int:
+        """Batches fetched again and dropped (an IterableDataset without state)."""
+        return self.skip + len(self.skip_beyond) if self.replay and not self.finished else 0
 
     def first_draw(self, draw):
         """Draw the epoch's first indices as at the saved epoch start: with
         torch's global RNG as it was then (RandomSampler without a generator
-        seeds itself from it), leaving the caller's RNG as it is."""
+        seeds itself from it), leaving the caller's RNG as it is, since that
+        draw came before the state was taken."""
         saved = self.state["torch_rng_state"]
-        if saved is None:
-            return draw()
+        if saved is None or not self.state["sampler_started"]:
+            return draw()  # it had not drawn yet when the state was taken
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(saved)
             return draw()
 
 
-def warn_replay(skip: int) -> None:
-    warnings.warn(
-        f"shmloader: resuming an IterableDataset without state_dict()/load_state_dict(): "
-        f"its first {skip} batches of this epoch are fetched again and dropped. Give the "
-        "dataset state_dict() and load_state_dict() to resume without replaying.",
-        stacklevel=4)
+def replay_message(skip: int) -> str:
+    return (f"shmloader: resuming an IterableDataset without state_dict()/load_state_dict(): "
+            f"its first {skip} batches of this epoch are fetched again and dropped. Give the "
+            "dataset state_dict() and load_state_dict() to resume without replaying.")

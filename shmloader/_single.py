@@ -3,19 +3,20 @@ behind state_dict() (see _resume.py).  Batches are torch's, unchanged."""
 from __future__ import annotations
 
 import contextlib
-import pickle
 
+import torch
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
 from ._cuda import DeviceStage
-from ._resume import warn_replay
+from ._resume import replay_message, sampler_state
+from ._warn import warn
 
 
 class SingleProcessIter(_SingleProcessDataLoaderIter):
     def __init__(self, loader) -> None:
         resume = loader._take_resume()
-        if resume is not None and resume.state["epoch_finished"]:
-            resume = None
+        if resume is not None and resume.finished:
+            resume = None  # already applied: the new epoch starts as any other
         iterable = loader._dataset_kind == _DatasetKind.Iterable
         self._stateful = loader.dataset if iterable and \
             callable(getattr(loader.dataset, "state_dict", None)) else None
@@ -23,24 +24,31 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             # Before torch's __init__, which makes the sampler's and the
             # dataset's iterators.
             resume.restore_sampler(loader)
-            if self._stateful is not None and resume.dataset_states():
-                self._stateful.load_state_dict(resume.worker_dataset_state(0))
+            dataset_state = (resume.worker_state(0) or {}).get("dataset")
+            if self._stateful is not None and dataset_state is not None:
+                self._stateful.load_state_dict(dataset_state)
+        epoch_sampler_state = sampler_state(loader)
+        rng_before = torch.get_rng_state() if resume is not None and loader.generator is None \
+            else None
         super().__init__(loader)
+        if resume is not None:
+            resume.settle_base_seed(loader, self._base_seed, False, rng_before)
         self._progress = loader._progress
-        self._progress.epoch_begins(loader, loader._next_epoch(), None, 1)
+        self._progress.epoch_begins(loader, loader._next_epoch(), None, 1, epoch_sampler_state,
+                                    sampler_started=False)
         self._device_stage = DeviceStage(loader.device) if loader.device is not None else None
         self._next_idx = 0  # epoch index of the next batch
         self._replay = 0
         self._pending_first_draw = None
         if resume is not None:
-            resume.restore_generator(loader)
             self._progress.resumed_from(resume)
             self._num_yielded = self._next_idx = resume.skip
             if iterable:
-                if self._stateful is None or not resume.dataset_states():
-                    self._replay = resume.skip
+                if resume.replay:
+                    self._replay = resume.replayed
                     self._next_idx = 0
-                    warn_replay(resume.skip)
+                    if self._replay:
+                        warn(replay_message(self._replay))
             else:
                 self._pending_first_draw = resume
                 for _ in range(resume.skip):
@@ -50,6 +58,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                         break
 
     def _next_index(self):
+        self._progress.sampler_started = True
         if self._pending_first_draw is not None:
             resume, self._pending_first_draw = self._pending_first_draw, None
             return resume.first_draw(super()._next_index)
@@ -70,9 +79,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         except Exception:
             self._progress.batch_yielded(idx, 0, None)
             raise
-        state = None
-        if self._stateful is not None:
-            state = pickle.dumps((None, self._stateful.state_dict()), pickle.HIGHEST_PROTOCOL)
+        state = {"dataset": self._stateful.state_dict()} if self._stateful is not None else None
         self._progress.batch_yielded(idx, 0, state)
         if self._device_stage is not None:
             data = self._device_stage(data)

@@ -64,8 +64,7 @@ from torch.utils.data.graph_settings import apply_random_seed
 
 from . import _layout
 from ._arena import Arena, SlotCollate, slot_bytes_needed
-from ._resume import (STATE_BYTES, carries_state, restore_rng, snapshot_dataset_state,
-                      worker_snapshot)
+from ._resume import STATE_BYTES, carries_state, restore_worker_rng, worker_snapshot
 from ._ring import Ring
 from ._samples import SampleLayout
 from ._seeding import seed_sample
@@ -91,7 +90,7 @@ class WorkerConfig:
     shared_seed: int | None
     seed_per_sample: bool  # seed random/torch/numpy before each sample
     assignment: str  # fetch="sample": "interleaved" or "dynamic"
-    resume_state: bytes | None  # worker_snapshot() to start from (load_state_dict)
+    resume_state: dict | None  # plain worker state to start from (load_state_dict)
     manager_pid: int  # the main process: workers exit when it is gone
     tasks: Any  # Connection (a socket: it also carries the ring's fds)
     results: Any  # Connection
@@ -283,15 +282,14 @@ def _run(cfg: WorkerConfig) -> None:
     try:
         if cfg.init_fn is not None:
             cfg.init_fn(cfg.worker_id)
-        if cfg.resume_state is not None and stateful is not None:
-            dataset_state = snapshot_dataset_state(cfg.resume_state)
-            if dataset_state is not None:
-                dataset.load_state_dict(dataset_state)
+        resume = cfg.resume_state or {}
+        if stateful is not None and resume.get("dataset") is not None:
+            dataset.load_state_dict(resume["dataset"])
         fetcher = make_fetcher()
     except Exception:
         fetcher_error = ExceptionWrapper(where=where)
-    if cfg.resume_state is not None:
-        restore_rng(cfg.resume_state)
+    if cfg.resume_state is not None and "random" in cfg.resume_state:
+        restore_worker_rng(cfg.resume_state)
 
     work = _Work(cfg, where, _Samples(cfg, dataset, collate_fn), slot_collate, collate_fn,
                  stateful)

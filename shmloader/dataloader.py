@@ -230,12 +230,9 @@ class DataLoader(torch.utils.data.DataLoader):
         if self._iterator is not None:  # a persistent iterator: start afresh
             self._iterator._shutdown_workers()
             self._iterator = None
-        self._resume = Resume(state)
+        self._resume = Resume(self, state)
         self._progress = Progress()
         self._epochs_started = state["epoch"]
-        if state["epoch_finished"]:
-            # The next iterator draws its base seed from the generator.
-            self._resume.restore_generator(self)
 
     def _get_iterator(self):
         if self.num_workers == 0:
