@@ -30,7 +30,8 @@ import torch.utils.data
 import charts
 import report
 from limit import TransportFreeLimit
-from measure import BenchmarkError, Epoch, Spec, checked_warm_up, first_batch_s, peak_memory, timed_epoch
+from measure import (BenchmarkError, Epoch, Spec, checked_warm_up, first_batch_s, interleaved, peak_memory,
+                     timed_epoch)
 from workloads import FAMILIES, PRESETS, WORKLOADS, Preset
 
 LOADERS = ("torch", "shmloader")  # torch first: it is the reference the others are checked against
@@ -108,11 +109,7 @@ def throughput(makers: dict[str, Callable[..., Any]], settings: Settings, progre
         limit.epoch()
         runners = {name: functools.partial(timed_epoch, loader, spec) for name, loader in loaders.items()}
         runners[report.LIMIT] = limit.epoch
-        epochs = {name: [] for name in runners}
-        for rep in range(settings.reps):
-            for name, run_epoch in runners.items():
-                progress(f"{name}: timed epoch {rep + 1}/{settings.reps}")
-                epochs[name].append(run_epoch())
+        epochs = interleaved(runners, settings.reps, progress, "timed epoch")
     # Only shmloader has stats(); they cover the warm-up and every timed epoch.
     stats = {name: loader.stats() if hasattr(loader, "stats") else None for name, loader in loaders.items()}
     return spec, compared, epochs, stats
@@ -123,11 +120,8 @@ def fresh_loader_figures(makers: dict[str, Callable[..., Any]], spec: Spec, sett
     """Time to first batch (interleaved repetitions) and peak memory, each on a fresh
     non-persistent loader, one loader alive at a time."""
     fresh = {name: functools.partial(make, persistent_workers=False) for name, make in makers.items()}
-    first = {name: [] for name in fresh}
-    for rep in range(settings.first_batch_reps):
-        for name, make in fresh.items():
-            progress(f"{name}: first batch {rep + 1}/{settings.first_batch_reps}")
-            first[name].append(first_batch_s(make, spec))
+    first = interleaved({name: functools.partial(first_batch_s, make, spec) for name, make in fresh.items()},
+                        settings.first_batch_reps, progress, "first batch")
     memory = {}
     for name, make in fresh.items():
         progress(f"{name}: memory epoch")

@@ -7,7 +7,7 @@ DataLoader and shmloader's.
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -20,6 +20,8 @@ except ImportError:  # memory figures are optional; everything else runs without
 Spec = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
 
 MEMORY_SAMPLE_INTERVAL_S = 0.02
+
+Result = TypeVar("Result")
 
 
 class BenchmarkError(RuntimeError):
@@ -102,6 +104,18 @@ def checked_warm_up(loaders: dict[str, Any]) -> tuple[Spec, int]:
             if difference is not None:
                 raise BenchmarkError(f"{name} batch {count} differs from {names[0]}'s: {difference}")
         count += 1
+
+
+def interleaved(runners: dict[str, Callable[[], Result]], reps: int, progress: Callable[[str], None],
+                what: str) -> dict[str, list[Result]]:
+    """Every runner's results over `reps` repetitions, run in turn (a, b, a, b, ...) so
+    that machine noise hits them alike; `what` names a repetition in the progress line."""
+    results = {name: [] for name in runners}
+    for rep in range(reps):
+        for name, run in runners.items():
+            progress(f"{name}: {what} {rep + 1}/{reps}")
+            results[name].append(run())
+    return results
 
 
 @dataclass(frozen=True)

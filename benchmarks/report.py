@@ -160,7 +160,7 @@ def table(record: dict[str, Any]) -> str:
     figures_rows = [*record["loaders"].items(), (LIMIT, record["limit"])]
     rows = [[name, *(c.cell(figs) for c in _COLUMNS)] for name, figs in figures_rows]
     rows += [[name, *(c.ratio_cell(r) for c in _COLUMNS)] for name, r in record["ratios"].items()]
-    lines = [title, *_aligned([["loader", *(c.heading for c in _COLUMNS)], *rows])]
+    lines = [title, *aligned([["loader", *(c.heading for c in _COLUMNS)], *rows])]
     lines.append(f"{LIMIT}: the same {workers_label(s['workers'])} fetching the same batches and stacking them "
                  "(torch.stack) into shared memory of their own, with no hand-off")
     check = record["correctness"]
@@ -182,10 +182,10 @@ def summary(records: list[dict[str, Any]]) -> str:
              *(f"{f['fraction_of_limit']:.0%}" for f in r["loaders"].values()),
              *(f"{ratio['samples_per_s']:.2f}x" for ratio in r["ratios"].values())]
             for r in records]
-    return "\n".join(["summary (samples/s, medians)", *_aligned([header, *rows])])
+    return "\n".join(["summary (samples/s, medians)", *aligned([header, *rows])])
 
 
-def _aligned(rows: list[list[str]]) -> list[str]:
+def aligned(rows: list[list[str]]) -> list[str]:
     """Rows of cells as lines: the first column left-aligned, the others right-aligned,
     each as wide as its widest cell."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

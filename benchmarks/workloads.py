@@ -4,8 +4,10 @@ A synthetic sample is a clone of an array from a small pool generated once,
 deterministically, when the dataset is built: producing a sample then costs the same
 copy whichever loader asks for it, and the values are reproducible, so the loaders'
 batches can be compared for equality. The `jpeg` preset decodes real files instead,
-written into the run's scratch folder (see jpeg_folder.py).
+written into the run's scratch folder (see jpeg_folder.py). CostDataset adds a set cost
+to every sample, for the benchmarks of loader features (see features.py).
 """
+import time
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -34,6 +36,47 @@ class PoolDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         return self.pool[index % len(self.pool)].clone(), index % NUM_CLASSES
+
+
+class CostDataset(PoolDataset):
+    """PoolDataset whose item i first costs costs_ms[i]: a busy loop, which competes for
+    the cores as decoding and augmenting do, or (busy=False) a sleep, which does not."""
+
+    def __init__(self, pool: list[torch.Tensor], costs_ms: list[float], busy: bool, loops_per_ms: float):
+        super().__init__(pool, len(costs_ms))
+        self.costs_ms = costs_ms
+        self.busy = busy
+        self.loops_per_ms = loops_per_ms
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if self.busy:
+            spin(round(self.costs_ms[index] * self.loops_per_ms))
+        else:
+            time.sleep(self.costs_ms[index] / 1e3)
+        return super().__getitem__(index)
+
+
+def spin(loops: int) -> None:
+    for _ in range(loops):
+        pass
+
+
+def spin_loops_per_ms(loops: int = 200_000, tries: int = 5) -> float:
+    """spin()'s loops per millisecond on this machine, from the fastest of a few tries
+    (the slower ones shared the core with other processes)."""
+    times = []
+    for _ in range(tries):
+        start = time.perf_counter()
+        spin(loops)
+        times.append(time.perf_counter() - start)
+    return loops / (min(times) * 1e3)
+
+
+def uneven_costs(length: int, light_ms: float, factor: float, every: int) -> list[float]:
+    """light_ms per sample, but `factor` times that for one sample in `every`, chosen at
+    random (with a fixed seed) so that batches hold more or fewer of them."""
+    heavy = set(torch.randperm(length, generator=torch.Generator().manual_seed(SEED))[: length // every].tolist())
+    return [light_ms * factor if i in heavy else light_ms for i in range(length)]
 
 
 class DetectionDataset(Dataset):
