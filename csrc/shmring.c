@@ -294,29 +294,37 @@ int shmring_publish(shmring_t *r, uint32_t slot, uint64_t seq, uint64_t meta_off
 int shmring_rows_begin(shmring_t *r, uint32_t slot, uint64_t seq, uint32_t nrows,
                        uint32_t first_row) {
     if (slot >= r->hdr->nslots) return -EINVAL;
-    if (nrows == 0 || first_row >= nrows) return -EINVAL;
+    if (nrows == 0 || first_row > nrows) return -EINVAL;
     struct shmring_slot *s = &r->slots[slot];
     if (atomic_load_explicit(&s->state, memory_order_acquire) != SHMRING_CLAIMED) return -EBUSY;
     s->seq = seq;
     s->nrows = nrows;
     s->meta_off = 0;
     s->meta_len = 0;
-    atomic_store_explicit(&s->next_row, first_row, memory_order_relaxed);
     atomic_store_explicit(&s->rows_failed, 0, memory_order_relaxed);
-    atomic_store_explicit(&s->rows_done, 0, memory_order_release);
+    atomic_store_explicit(&s->rows_done, 0, memory_order_relaxed);
+    /* Last, with release: a producer whose acquire load of next_row sees
+     * this value sees this batch's seq and nrows too (see row_claim). */
+    atomic_store_explicit(&s->next_row, first_row, memory_order_release);
     return 0;
 }
 
-int shmring_row_claim(shmring_t *r, uint32_t slot, uint32_t *row) {
+int shmring_row_claim(shmring_t *r, uint32_t slot, uint64_t seq, uint32_t *row) {
     if (slot >= r->hdr->nslots) return -EINVAL;
     struct shmring_slot *s = &r->slots[slot];
-    uint32_t next = atomic_load_explicit(&s->next_row, memory_order_relaxed);
-    /* A CAS loop rather than fetch_add, so that next_row never runs past
-     * nrows however often exhausted claims are retried. */
+    uint32_t next = atomic_load_explicit(&s->next_row, memory_order_acquire);
+    /* A producer late to batch `seq` may find the slot already done and
+     * begun again for a later batch: then its seq differs (the acquire load
+     * above saw the later rows_begin), or next_row was still the old batch's
+     * (all rows taken: EAGAIN below).  A CAS from a value below nrows cannot
+     * succeed across a reuse, since the old batch could not have completed
+     * with a row untaken.  A CAS loop rather than fetch_add also keeps
+     * next_row from running past nrows however often claims are retried. */
+    if (s->seq != seq) return -ESTALE;
     do {
         if (next >= s->nrows) return -EAGAIN;
     } while (!atomic_compare_exchange_weak_explicit(&s->next_row, &next, next + 1,
-                                                    memory_order_relaxed, memory_order_relaxed));
+                                                    memory_order_acquire, memory_order_acquire));
     *row = next;
     return 0;
 }

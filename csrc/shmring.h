@@ -122,14 +122,15 @@ int shmring_acquire(shmring_t *r, uint32_t *slot, uint64_t *seq, uint64_t *meta_
 /* Consumer: READING -> FREE once nothing views the slot any more. */
 int shmring_release(shmring_t *r, uint32_t slot);
 
-/* Consumer: make a CLAIMED slot a batch of `nrows` rows filled by producers;
- * rows below `first_row` are someone's already (row_claim starts there). */
+/* Consumer: make a CLAIMED slot batch `seq` of `nrows` rows filled by
+ * producers; rows below `first_row` (<= nrows) are someone's already
+ * (row_claim starts there). */
 int shmring_rows_begin(shmring_t *r, uint32_t slot, uint64_t seq, uint32_t nrows,
                        uint32_t first_row);
 
-/* Producer: take the next unclaimed row of a row-by-row slot; -EAGAIN when
- * every row is taken. */
-int shmring_row_claim(shmring_t *r, uint32_t slot, uint32_t *row);
+/* Producer: take the next unclaimed row of batch `seq` in its slot; -EAGAIN
+ * when every row is taken, -ESTALE when the slot holds another batch now. */
+int shmring_row_claim(shmring_t *r, uint32_t slot, uint64_t seq, uint32_t *row);
 
 /* Producer: one row written (failed: its sample raised instead).  Returns 1
  * when it was the last row and the slot is now published, else 0. */

@@ -15,7 +15,7 @@ first sample of the loader is fetched alone first (a "probe") to fix the
 layout and size the ring.  prefetch_next_epoch keeps dispatching, when the
 sampler runs out, the next epoch's batches; they are numbered on from this
 epoch's (epoch index >= _next_epoch_at) and adopted by the next _reset if the
-sampler still describes the epoch they were drawn for (_SamplerState).
+samplers still describe the epoch they were drawn for (_sampler_state.py).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from . import _cuda, _layout
 from ._pool import WorkerDied, WorkerPool
 from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
 from ._rings import create_ring
-from ._sampler_state import SamplerState
+from ._sampler_state import PrefetchedEpoch
 from ._warn import warn
 from ._worker import MEASURE, NO_SLOT
 
@@ -118,7 +118,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             for i in range(self._num_workers)
         ])
         self._next_epoch_at = None  # epoch index of the next epoch's first task
-        self._next_epoch_state = None  # SamplerState it was drawn with
+        self._prefetched = None  # its PrefetchedEpoch
         if self._fetch == "sample":
             if self._options.sample_layout is not None:
                 self._start_ring(self._options.sample_layout.slot_bytes)
@@ -195,9 +195,12 @@ class ShmLoaderIter(_BaseDataLoaderIter):
 
     def _reset(self, loader, first_iter=False) -> None:
         self._epoch_started = time.perf_counter()
-        if self._next_epoch_at is not None and self._next_epoch_state.holds(loader):
-            self._adopt_next_epoch()
-            return
+        rewind = None  # an epoch whose prefetched batches are dropped
+        if self._prefetched is not None:
+            if self._prefetched.holds():
+                self._adopt_next_epoch()
+                return
+            rewind = loader._epochs_started = self._prefetched.epoch  # numbered again below
         resume, self._resume = self._resume, None
         if resume is not None and resume.finished:
             resume = None  # already applied: the new epoch starts as any other
@@ -217,12 +220,12 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
-        self._next_epoch_at = self._next_epoch_state = None
+        self._next_epoch_at = self._prefetched = None
         if resume is not None:
             self._resume_epoch(resume)
         with self._failing_workers():
             if not first_iter:
-                self._resume_workers()
+                self._resume_workers(rewind)
             for _ in range(self._prefetch_factor * self._num_workers):
                 self._try_put_index()
 
@@ -256,21 +259,28 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             return resume.first_draw(super()._next_index)
         return super()._next_index()
 
+    def _draw(self):
+        """The next batch's indices, from this epoch's sampler or, once that
+        ran out, the prefetched epoch's."""
+        if self._prefetched is not None:
+            return self._prefetched.draw(self._next_index)
+        return self._next_index()
+
     def _start_next_epoch(self) -> bool:
         """prefetch_next_epoch: the sampler ran out; go on with the next
-        epoch's sampler (set_epoch(e + 1) where it has one).  False when
-        there is nothing to prefetch."""
+        epoch's sampler (set_epoch(e + 1) where it has one, privately: see
+        _sampler_state.py).  False when there is nothing to prefetch."""
         if not self._prefetch_next_epoch or self._next_epoch_at is not None:
             return False
         self._next_epoch_at = self._send_idx
         loader = self._loader
         self._epoch = loader._next_epoch()
-        SamplerState.advance_epoch(loader, self._epoch)
         self._next_epoch_start = Progress()
         self._next_epoch_start.epoch_begins(loader, self._epoch, self._base_seed,
                                             self._num_workers, sampler_state(loader))
         self._progress.next_start = self._next_epoch_start
-        self._sampler_iter = iter(self._index_sampler)
+        self._prefetched = PrefetchedEpoch(loader, self._epoch)
+        self._sampler_iter = self._prefetched.draw(lambda: iter(self._index_sampler))
         self._position = 0
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         return True
@@ -284,7 +294,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._rcvd_idx = 0
         self._task_info = {i - shift: info for i, info in self._task_info.items()}
         self._num_yielded = 0
-        self._next_epoch_at = self._next_epoch_state = None
+        self._prefetched.adopt()
+        self._next_epoch_at = self._prefetched = None
         self._progress.begin_like(self._next_epoch_start)
         self._counters.prefetched_epochs += 1
         with self._failing_workers():
@@ -295,11 +306,13 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 if self._send_idx == sent:
                     break
 
-    def _resume_workers(self) -> None:
+    def _resume_workers(self, rewind) -> None:
         """Start persistent workers on a new epoch, dropping the old one's
-        results (a worker skips tasks a resume has made stale)."""
+        results (a worker skips tasks a resume has made stale).  `rewind`:
+        the number of an epoch whose prefetched batches are dropped; workers
+        that fetched some go back to their RNG state from before them."""
         for i in range(self._num_workers):
-            self._pool.send(i, ("resume", self._shared_seed))
+            self._pool.send(i, ("resume", self._shared_seed, rewind))
         pending = self._num_workers
         while pending:
             task_id, payload = self._next_arrival()
@@ -329,24 +342,21 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         max_tasks = self._prefetch_factor * self._num_workers
         assert self._tasks_outstanding < max_tasks
         try:
-            index = self._next_index()
+            index = self._draw()
         except StopIteration:
             if not self._start_next_epoch():
                 return
             try:
-                index = self._next_index()
+                index = self._draw()
             except StopIteration:
                 return
-            # The sampler's state right after its first draw: what the next
-            # iter() must still find for these batches to be that epoch's.
-            self._next_epoch_state = SamplerState.capture(self._loader)
         while self._send_idx in self._skip:  # yielded before a resume
             self._skip.discard(self._send_idx)
             self._position += len(index) if self._auto_collation else 1
             next(self._worker_queue_idx_cycle)
             self._send_idx += 1
             try:
-                index = self._next_index()
+                index = self._draw()
             except StopIteration:
                 return
         for _ in range(self._num_workers):  # find the next active worker, if any
@@ -447,7 +457,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             return arrival
         errors = self._row_errors.setdefault(task_id, {})
         while len(errors) < payload.failed_rows:
-            for worker_id, msg in self._pool.receive(self._ring.wait(0, self._pool.wait_fds)):
+            fired = self._ring.wait(1.0, self._pool.wait_fds) or []
+            for worker_id, msg in self._pool.receive(fired):
                 other = self._accept(worker_id, msg)
                 if other is not None:
                     more.append(other)

@@ -14,7 +14,7 @@ cimport cython
 
 from cpython.buffer cimport PyBUF_WRITABLE
 from cpython.exc cimport PyErr_CheckSignals
-from libc.errno cimport EAGAIN, EINTR, ETIMEDOUT
+from libc.errno cimport EAGAIN, EINTR, ESTALE, ETIMEDOUT
 from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
@@ -164,11 +164,12 @@ cdef class Ring:
         _check(shmring_rows_begin(self._r, slot, seq, nrows, first_row),
                f"starting rows of slot {slot} (must be CLAIMED, 0 <= first_row < nrows)")
 
-    def row_claim(self, uint32_t slot):
-        """The next unclaimed row of `slot`, or None when all are taken."""
+    def row_claim(self, uint32_t slot, uint64_t seq):
+        """The next unclaimed row of batch `seq` in `slot`, or None when all are
+        taken or the slot has moved on to another batch."""
         cdef uint32_t row
-        cdef int rc = shmring_row_claim(self._r, slot, &row)
-        if rc == -EAGAIN:
+        cdef int rc = shmring_row_claim(self._r, slot, seq, &row)
+        if rc == -EAGAIN or rc == -ESTALE:
             return None
         _check(rc, f"claiming a row of slot {slot}")
         return row

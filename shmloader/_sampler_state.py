@@ -1,12 +1,22 @@
-"""prefetch_next_epoch: is a prefetched epoch still the one the next iter()
-would draw?
+"""prefetch_next_epoch: the next epoch's indices drawn early, invisibly.
 
-The next epoch's batches are drawn early, when this epoch's sampler runs
-out.  They stand only if, when iter() comes, nothing that drew them has
-changed since: the samplers' attributes (an epoch set by set_epoch, flags,
-which objects they hold) and every torch.Generator among them or the
-loader's.  Anything else (the dataset's contents, torch's global RNG, which a
-sampler without a generator draws from) is not looked at; see the README.
+When epoch e's sampler runs out, the next epoch's sampler starts drawing at
+once, but on private copies: every torch.Generator the loader and its
+samplers hold is switched to a private state around each draw (and back to
+the user's state after it), and samplers with set_epoch are set to epoch
+e + 1 around it (and back).  So until the next iter(), the user's
+generators and samplers are exactly as torch would leave them: the user may
+draw from the generator, reseed it, or call set_epoch, and sees no trace of
+the prefetch.
+
+At the next iter() the prefetched epoch is adopted only if the samplers and
+generators are what that epoch assumed: generators untouched since, samplers
+set to epoch e + 1 (by the user, as DDP code does before each epoch), every
+other attribute unchanged.  Then the generators take their private states,
+as if the draws had happened now.  Otherwise the prefetched batches are
+dropped and the epoch is drawn afresh, from whatever the user set.  Anything
+else a sampler draws from (torch's global RNG, when there is no generator)
+is not private: see the README.
 """
 from __future__ import annotations
 
@@ -23,6 +33,15 @@ def _samplers(loader):
     return seen
 
 
+def _generators(loader):
+    found = [loader.generator] if loader.generator is not None else []
+    for sampler in _samplers(loader):
+        for value in getattr(sampler, "__dict__", {}).values():
+            if isinstance(value, torch.Generator) and all(value is not g for g in found):
+                found.append(value)
+    return found
+
+
 def _value(value):
     if isinstance(value, _PRIMITIVES):
         return value
@@ -31,28 +50,56 @@ def _value(value):
     return ("object", id(value))
 
 
-class SamplerState:
-    def __init__(self, snapshot):
-        self._snapshot = snapshot
+def _capture(loader):
+    snapshot = [_value(loader.generator)]
+    for sampler in _samplers(loader):
+        attrs = getattr(sampler, "__dict__", {})
+        snapshot.append((type(sampler), sorted((k, _value(v)) for k, v in attrs.items())))
+    return snapshot
 
-    @staticmethod
-    def advance_epoch(loader, next_epoch: int) -> None:
-        """Call set_epoch(e + 1) on every sampler that has one, e being its
-        own `epoch` attribute where it keeps one, else next_epoch - 1."""
+
+class PrefetchedEpoch:
+    """The draws of epoch `epoch` made before its iter() (see the module note)."""
+
+    def __init__(self, loader, epoch: int):
+        self.epoch = epoch
+        self._loader = loader
+        self._generators = _generators(loader)
+        self._user_states = [g.get_state() for g in self._generators]
+        self._private_states = list(self._user_states)
+        # (sampler, its epoch now, the epoch to draw with) for samplers with
+        # set_epoch: e + 1 from the sampler's own count where it keeps one.
+        self._epochs = []
         for sampler in _samplers(loader):
-            set_epoch = getattr(sampler, "set_epoch", None)
-            if callable(set_epoch):
-                epoch = getattr(sampler, "epoch", None)
-                set_epoch(epoch + 1 if type(epoch) is int else next_epoch)
+            if callable(getattr(sampler, "set_epoch", None)):
+                now = getattr(sampler, "epoch", None)
+                self._epochs.append((sampler, now, now + 1 if type(now) is int else epoch))
+        self._expected = None
 
-    @classmethod
-    def capture(cls, loader) -> "SamplerState":
-        snapshot = [_value(loader.generator)]
-        for sampler in _samplers(loader):
-            attrs = getattr(sampler, "__dict__", {})
-            snapshot.append((type(sampler), sorted((k, _value(v)) for k, v in attrs.items())))
-        return cls(snapshot)
+    def draw(self, fn):
+        """fn() (a draw from the next epoch's sampler iterator), made in the
+        next epoch's configuration and invisible outside it."""
+        for g, state in zip(self._generators, self._private_states):
+            g.set_state(state)
+        for sampler, _, then in self._epochs:
+            sampler.set_epoch(then)
+        try:
+            return fn()
+        finally:
+            self._private_states = [g.get_state() for g in self._generators]
+            for g, state in zip(self._generators, self._user_states):
+                g.set_state(state)
+            # What the user's objects must look like at the next iter().
+            self._expected = _capture(self._loader)
+            for sampler, now, _ in self._epochs:
+                if now is not None:
+                    sampler.set_epoch(now)
 
-    def holds(self, loader) -> bool:
-        """Whether the loader's samplers are still as captured."""
-        return self.capture(loader)._snapshot == self._snapshot
+    def holds(self) -> bool:
+        """Whether the next iter() finds what this epoch was drawn with."""
+        return self._expected is not None and _capture(self._loader) == self._expected
+
+    def adopt(self) -> None:
+        """The draws happen now: the generators move on as they would have."""
+        for g, state in zip(self._generators, self._private_states):
+            g.set_state(state)

@@ -25,7 +25,10 @@ Protocol (main -> worker, over the worker's task socket):
     ("probe", task_id, index, epoch, position, capacity)
                                      fetch="sample": fetch sample `index` (row 0
                                      of the task) and describe the layout
-    ("resume", shared_seed)          a new epoch of persistent workers
+    ("resume", shared_seed, rewind)  a new epoch of persistent workers; rewind: the
+                                     number of an epoch whose prefetched tasks were
+                                     dropped (go back to the RNG state from before
+                                     them), or None
     None                             exit
 Worker -> main, over the worker's result pipe:
     ("batch", task_id, reason, data, slot_bytes_needed or 0, samples, state or None)
@@ -64,7 +67,8 @@ from torch.utils.data.graph_settings import apply_random_seed
 
 from . import _layout
 from ._arena import Arena, SlotCollate, slot_bytes_needed
-from ._resume import STATE_BYTES, carries_state, restore_worker_rng, worker_snapshot
+from ._resume import (STATE_BYTES, carries_state, plain_worker_state, restore_worker_rng,
+                      worker_snapshot)
 from ._ring import Ring
 from ._samples import SampleLayout
 from ._seeding import seed_sample
@@ -309,6 +313,7 @@ def _run(cfg: WorkerConfig) -> None:
             continue
         if kind == "resume":
             iteration_end = False
+            work.rewind(msg[2])
             if isinstance(dataset, IterDataPipe):
                 shared_rng.manual_seed(msg[1])
                 dataset = apply_random_seed(dataset, shared_rng)
@@ -319,6 +324,8 @@ def _run(cfg: WorkerConfig) -> None:
             cfg.results.send(("resumed",))
             continue
         stale = iteration_end or inbox.superseded()
+        if not stale:
+            work.enter_epoch(msg[3] if kind == "probe" else msg[4])
         if kind == "rows":
             reply = work.rows(*msg[1:], stale=stale, error=fetcher_error)
         elif kind == "probe":
@@ -363,8 +370,20 @@ class _Work:
         self.slots = None  # _Slots once the ring has come
         self.layout = None  # fetch="sample": the SampleLayout once known
         self.probed = None  # (task_id, sample) fetched by a probe, for row 0
+        self.epoch = self.epoch_rng = None  # see enter_epoch
         self.stateful = stateful  # an IterableDataset with state_dict(), or None
         self.snapshots = carries_state(cfg.dataset_kind, cfg.seed_per_sample)
+
+    def enter_epoch(self, epoch) -> None:
+        """Note the RNG state before this worker's first task of an epoch, so
+        that dropping that epoch's prefetched tasks can undo their draws."""
+        if epoch != self.epoch:
+            self.epoch, self.epoch_rng = epoch, worker_snapshot(None)
+
+    def rewind(self, epoch) -> None:
+        if epoch is not None and epoch == self.epoch:
+            restore_worker_rng(plain_worker_state(self.epoch_rng))
+        self.epoch = self.epoch_rng = None
 
     def give_back(self, slot):
         if slot >= 0:
@@ -441,7 +460,7 @@ class _Work:
         if self.probed is not None and self.probed[0] == task_id:
             yield 0  # the probed sample is row 0, whatever the assignment
         if cfg.assignment == "dynamic":
-            while (row := self.slots.ring.row_claim(slot)) is not None:
+            while (row := self.slots.ring.row_claim(slot, task_id)) is not None:
                 yield row
         else:
             start = (cfg.worker_id - position) % cfg.num_workers

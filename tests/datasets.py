@@ -554,3 +554,230 @@ def canon(x):
     if isinstance(x, float):
         return ("float", repr(x))
     return (type(x).__name__, repr(x))
+
+
+# --------------------------------------------------------------------------- fetch="sample" & co
+def _numeric_sample(i):
+    """_rich_sample's leaf kinds less str/bytes (fetch="sample" refuses text): every leaf has one
+    dtype and shape for all i.  Nested dicts, tuples, lists, namedtuples, an OrderedDict, tensors
+    of many dtypes (0-dim, empty, NaN/inf/-0.0, non-contiguous: transposed, strided, expanded),
+    numpy arrays (also non-contiguous and 0-dim) and scalars, python ints, floats and bools."""
+    g = torch.Generator().manual_seed(i)
+    base = torch.randn(2, 3, generator=g)
+    return {
+        "u8": torch.arange(6, dtype=torch.uint8).reshape(2, 3) + i,
+        "f32": base,
+        "f16": base.to(torch.float16),
+        "bf16": base.to(torch.bfloat16),
+        "bool": base > 0,
+        "i64": torch.tensor([i, -i, 2**40 + i]),
+        "c64": torch.complex(base, -base),
+        "i16": torch.full((2,), i, dtype=torch.int16),
+        "f64_scalar": torch.tensor(i * 1.5, dtype=torch.float64),
+        "i32_scalar": torch.tensor(i, dtype=torch.int32),
+        "empty": torch.zeros(0, 4),
+        "special": torch.tensor([math.nan, math.inf, -math.inf, -0.0, float(i)]),
+        "np_f64": np.linspace(0.0, float(i), 5),
+        "np_i32": np.arange(4, dtype=np.int32) * i,
+        "np_u8": np.full((2, 2), i, dtype=np.uint8),
+        "np_bool": np.array([i % 2 == 0, True]),
+        "np_f16": np.array([i / 4, math.nan], dtype=np.float16),
+        "np_c128": np.array([complex(i, -i)]),
+        "np_empty": np.zeros((0, 3), dtype=np.float32),
+        "np_0d": np.array(i * 0.25),
+        "np_noncontig": (np.arange(12.0).reshape(3, 4) + i).T,
+        "np_f32_scalar": np.float32(i / 3),
+        "np_i64_scalar": np.int64(i * 1000),
+        "np_u16_scalar": np.uint16(i),
+        "np_bool_scalar": np.bool_(i % 2),
+        "int": i,
+        "neg_int": -(i * 7) - 1,
+        "float": i / 7,
+        "bool_py": i % 3 == 0,
+        "tuple": (torch.tensor(i), (np.array([i, i]), i * 0.5)),
+        "list": [torch.ones(2) * i, i],
+        "point": Point(torch.tensor([i, i + 1]), np.int16(i)),
+        "nested": {"a": {"b": torch.full((2,), i, dtype=torch.int8)}, "c": Point(i, np.float64(i))},
+        "odict": OrderedDict([("z", i), ("a", torch.tensor(float(i)))]),
+        "noncontig": torch.arange(12.0).reshape(3, 4).t() + i,
+        "strided": (torch.arange(20) + i)[::3],
+        "expanded": torch.tensor([float(i)]).expand(3),
+        "channels_last": (torch.arange(24.0).reshape(1, 2, 3, 4) + i).contiguous(
+            memory_format=torch.channels_last)[0],
+    }
+
+
+class NumericMap(Dataset):
+    """Samples of _numeric_sample: everything fetch="sample" can put in a row."""
+
+    def __init__(self, n=10):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return _numeric_sample(i)
+
+
+class ScalarMap(Dataset):
+    """Sample i is the python int i (the simplest sample: a bare leaf)."""
+
+    def __init__(self, n=10):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+class TensorMap(Dataset):
+    """Sample i is a bare float32 tensor [i, 2i, 3i, 4i] (non-contiguous for odd i)."""
+
+    def __init__(self, n=10):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        t = torch.tensor([[i, 3 * i], [2 * i, 4 * i]], dtype=torch.float32)
+        return t.t() if i % 2 else t.t().contiguous()
+
+
+class MismatchMap(Dataset):
+    """{"image": float32 (3,), "meta": {"label": int, "box": float32 (2,)}}; sample `bad` breaks
+    the layout the first sample fixed, by `kind`: "shape" (box of shape (3,)), "dtype" (box as
+    float64), "text" (label as a str), "fields" (an extra key), "ndim" (image of shape (1, 3))."""
+
+    def __init__(self, n=12, bad=5, kind="shape"):
+        self.n = n
+        self.bad = bad
+        self.kind = kind
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        image = torch.full((3,), float(i))
+        label = i
+        box = torch.tensor([i, -i], dtype=torch.float32)
+        extra = {}
+        if i == self.bad:
+            if self.kind == "shape":
+                box = torch.tensor([i, -i, 0], dtype=torch.float32)
+            elif self.kind == "dtype":
+                box = box.double()
+            elif self.kind == "text":
+                label = f"label{i}"
+            elif self.kind == "fields":
+                extra = {"more": i}
+            elif self.kind == "ndim":
+                image = image.reshape(1, 3)
+        return {"image": image, "meta": {"label": label, "box": box, **extra}}
+
+
+class TextMap(Dataset):
+    """Every sample holds a str (or bytes): fetch="sample" must refuse them."""
+
+    def __init__(self, n=6, kind="str"):
+        self.n = n
+        self.kind = kind
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        name = f"name{i}" if self.kind == "str" else f"name{i}".encode()
+        return {"x": torch.tensor([i]), "name": name}
+
+
+class AugmentMap(Dataset):
+    """Random 'augmentations' drawn from random, numpy and torch's global RNGs, on top of a
+    deterministic base: whatever seeds the worker's RNGs decides what a sample looks like."""
+
+    def __init__(self, n=12):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        base = torch.full((3,), float(i))
+        return {
+            "index": i,
+            "flip": random.random() < 0.5,
+            "py": random.random(),
+            "py_int": random.randint(0, 1 << 30),
+            "np": np.random.rand(2),
+            "np_int": np.random.randint(0, 1 << 30, size=2),
+            "torch": base + torch.rand(3),
+            "torch_int": torch.randint(0, 1 << 30, (2,)),
+            "normal": torch.randn(2),
+        }
+
+
+class VaryingBatchSampler(Sampler):
+    """Batches of the given sizes over range(n) in order (a batch larger than the first one
+    must still be delivered whole and right)."""
+
+    def __init__(self, n, sizes):
+        self.n = n
+        self.sizes = list(sizes)
+
+    def _batches(self):
+        out, start = [], 0
+        while start < self.n:
+            size = self.sizes[len(out) % len(self.sizes)]
+            out.append(list(range(start, min(start + size, self.n))))
+            start += size
+        return out
+
+    def __iter__(self):
+        return iter(self._batches())
+
+    def __len__(self):
+        return len(self._batches())
+
+
+class EpochRandomSampler(Sampler):
+    """A sampler with set_epoch whose permutation depends on (seed, epoch) only, like
+    DistributedSampler without a process group; records set_epoch calls."""
+
+    def __init__(self, n, seed=0):
+        self.n = n
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self):
+        return self.n
+
+
+class WhoMap(Dataset):
+    """Sample i = {"i": i, "wid": id of the worker that fetched it (-1 in the main process)}."""
+
+    def __init__(self, n=12):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        wid, _, _ = _worker_fields()
+        return {"i": i, "wid": wid}
+
+
+def late_worker_init_fn(worker_id):
+    """Worker 1 starts late (0.4 s): meanwhile the other workers run the first batches alone."""
+    if worker_id == 1:
+        time.sleep(0.4)
+
