@@ -70,7 +70,7 @@ typedef struct shmring shmring_t; /* process-local handle, opaque */
 
 /* Create a segment for `nslots` slots of at least `slot_bytes` each, reserve
  * every page (posix_fallocate: a too-small /dev/shm fails here with -ENOSPC,
- * not later with SIGBUS), map and prefault it, and create the wake-up
+ * not later with SIGBUS), map it, and create the wake-up
  * eventfd.  The segment never has a name anyone else could open or that a
  * dying process could leave behind:
  *   _in:    an unnamed file (O_TMPFILE) in the tmpfs directory `dir`;

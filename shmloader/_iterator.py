@@ -149,12 +149,14 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             self._pool.broadcast(("layout", self._options.sample_layout))
         self._counters.use_ring(self._ring, self._num_workers)
 
-    def _learn_layout(self, task_id, index, worker_id, epoch, position):
-        """fetch="sample": have one worker fetch a batch's first sample and
-        describe the layout it fixes; then make the ring.  Returns None, or
-        the probe's error (which becomes this batch's result)."""
+    def _learn_layout(self, task_id, index, epoch, position):
+        """fetch="sample": every worker starts on its share of this batch's
+        samples; the one with its first sample describes the layout it
+        fixes, and the ring is made from it while the others go on fetching.
+        Returns None, or the first sample's error (which becomes this
+        batch's result)."""
         capacity = self._loader.batch_size or len(index)
-        self._pool.send(worker_id, ("probe", task_id, index[0], epoch, position, capacity))
+        self._pool.broadcast(("probe", task_id, index, epoch, position, capacity))
         while True:
             arrived, payload = self._next_arrival()
             if arrived == task_id:
@@ -388,10 +390,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         epoch = self._epoch
         first_row = 0
         if self._fetch == "sample" and self._options.sample_layout is None:
-            error = self._learn_layout(task_id, index, worker_id, epoch, position)
+            error = self._learn_layout(task_id, index, epoch, position)
             if error is not None:
                 return error
-            first_row = 1  # the probed sample: the probing worker's row 0
+            first_row = len(index)  # every row is the worker's that fetched it already
         slot = self._claim_slot()
         if self._fetch == "sample" and slot >= 0 and \
                 len(index) <= self._options.sample_layout.capacity:

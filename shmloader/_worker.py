@@ -23,8 +23,9 @@ Protocol (main -> worker, over the worker's task socket):
     ("rows", task_id, slot, index, epoch, position, first_row)
                                      fetch="sample": this worker's rows of a batch
     ("probe", task_id, index, epoch, position, capacity)
-                                     fetch="sample": fetch sample `index` (row 0
-                                     of the task) and describe the layout
+                                     fetch="sample", no ring yet: fetch this
+                                     worker's rows of the batch and keep them; the
+                                     worker with row 0 describes the layout
     ("resume", shared_seed, rewind)  a new epoch of persistent workers; rewind: the
                                      number of an epoch whose prefetched tasks were
                                      dropped (go back to the RNG state from before
@@ -369,7 +370,7 @@ class _Work:
         self.busy = _Busy(cfg.worker_id)
         self.slots = None  # _Slots once the ring has come
         self.layout = None  # fetch="sample": the SampleLayout once known
-        self.probed = None  # (task_id, sample) fetched by a probe, for row 0
+        self.probed = None  # (task_id, {row: sample}) fetched before the ring existed
         self.epoch = self.epoch_rng = None  # see enter_epoch
         self.stateful = stateful  # an IterableDataset with state_dict(), or None
         self.snapshots = carries_state(cfg.dataset_kind, cfg.seed_per_sample)
@@ -440,25 +441,43 @@ class _Work:
     # ---- fetch="sample" -------------------------------------------------------
 
     def probe(self, task_id, index, epoch, position, capacity, error):
-        """Fetch the first sample of a task and describe the batch layout it
-        fixes; the sample is kept for row 0."""
-        if error is not None:
-            return ("error", task_id, error)
-        self.busy.start()
+        """The loader's first batch, before there is a ring: fetch this
+        worker's interleaved share of its samples and keep them for their
+        rows.  The worker with row 0 describes the layout its sample fixes as
+        soon as it has it, so the main process makes the ring while everyone
+        goes on fetching.  Returns None: the layout (or row 0's error) is sent
+        from inside the loop."""
+        cfg = self.cfg
+        fetched = {}  # row -> sample, or the ExceptionWrapper of its failure
+        self.probed = (task_id, fetched)
+        for row in range((cfg.worker_id - position) % cfg.num_workers, len(index),
+                         cfg.num_workers):
+            self.busy.start()
+            sample = error
+            if error is None:
+                try:
+                    sample = self.samples.get(index[row], epoch, position + row)
+                except Exception:
+                    sample = ExceptionWrapper(where=self.where)
+            fetched[row] = sample
+            self.busy.add(self.slots, 1, 0, 0)
+            if row == 0:
+                cfg.results.send(self._describe(task_id, sample, capacity))
+        return None
+
+    def _describe(self, task_id, sample, capacity):
+        if isinstance(sample, ExceptionWrapper):
+            return ("error", task_id, sample)
         try:
-            sample = self.samples.get(index, epoch, position)
-            layout = SampleLayout(sample, capacity)
+            return ("layout", task_id, SampleLayout(sample, capacity))
         except Exception:
             return ("error", task_id, ExceptionWrapper(where=self.where))
-        self.busy.add(self.slots, 0, 0, 0)
-        self.probed = (task_id, sample)
-        return ("layout", task_id, layout)
 
-    def _my_rows(self, task_id, slot, nrows, position, first_row):
-        """This worker's rows of a task, in order."""
+    def _my_rows(self, task_id, slot, nrows, position, first_row, fetched):
+        """This worker's rows of a task, in order: those it fetched before the
+        ring existed, then its share of the rest."""
         cfg = self.cfg
-        if self.probed is not None and self.probed[0] == task_id:
-            yield 0  # the probed sample is row 0, whatever the assignment
+        yield from sorted(fetched)
         if cfg.assignment == "dynamic":
             while (row := self.slots.ring.row_claim(slot, task_id)) is not None:
                 yield row
@@ -474,17 +493,20 @@ class _Work:
         back.  Returns None: errors go out as they happen."""
         ring = self.slots.ring
         memory, storage = self.slots.slot(slot)
-        for row in self._my_rows(task_id, slot, len(index), position, first_row):
+        fetched = self.probed[1] if self.probed is not None and self.probed[0] == task_id \
+            else {}
+        self.probed = None
+        for row in self._my_rows(task_id, slot, len(index), position, first_row, fetched):
             failed = False
             if not stale:
                 self.busy.start()
                 try:
                     if error is not None:
                         raise _Reraised(error)
-                    if row == 0 and self.probed is not None and self.probed[0] == task_id:
-                        sample = self.probed[1]
-                    else:
-                        sample = self.samples.get(index[row], epoch, position + row)
+                    sample = fetched[row] if row in fetched else \
+                        self.samples.get(index[row], epoch, position + row)
+                    if isinstance(sample, ExceptionWrapper):
+                        raise _Reraised(sample)
                     self.layout.write_row(memory, storage, row, sample)
                 except _Reraised as e:
                     failed = True
@@ -493,10 +515,9 @@ class _Work:
                     failed = True
                     self.cfg.results.send(
                         ("row_error", task_id, row, ExceptionWrapper(where=self.where)))
-                self.busy.add(self.slots, 1, 0, 0 if failed else self.layout.sample_bytes)
+                self.busy.add(self.slots, 0 if row in fetched else 1, 0,
+                              0 if failed else self.layout.sample_bytes)
             ring.row_done(slot, failed)
-        if self.probed is not None and self.probed[0] == task_id:
-            self.probed = None
         return None
 
 
