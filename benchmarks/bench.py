@@ -16,7 +16,6 @@ run's figures go to one JSON file, with the charts next to it (see charts.py).
 See shared/BENCHMARKS.md for what the figures mean.
 """
 import argparse
-import datetime
 import functools
 import gc
 import sys
@@ -229,14 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     # Keep the reference first whatever order the loaders were named in.
     classes = {name: loader_class(name) for name in LOADERS if name in args.loaders}
     runs = plan(preset_names(args.preset, args.quick), args.workers, args.batch_size, args.quick)
-    machine = report.machine()
-    print(report.machine_line(machine) + "\n")
-    document = {
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": sys.argv,
-        "machine": machine,
-        "runs": [],
-    }
+    document = report.new_document(runs=[])
     # The jpeg preset writes its files here; every run of this invocation shares them.
     with tempfile.TemporaryDirectory(prefix="shmloader-bench-") as scratch:
         for number, run in enumerate(runs, 1):

@@ -20,7 +20,6 @@ interleaves its timed repetitions. shmloader's wait_fraction (LoaderStats) cover
 timed repetitions only.
 """
 import argparse
-import datetime
 import functools
 import itertools
 import os
@@ -325,16 +324,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     settings = QUICK if args.quick else FULL
-    machine = report.machine()
-    print(report.machine_line(machine) + "\n")
-    document = {
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": sys.argv,
-        "machine": machine,
-        "settings": {"quick": args.quick, "workers": WORKERS, **vars(settings)},
+    document = report.new_document(
+        settings={"quick": args.quick, "workers": WORKERS, **vars(settings)},
         # Other processes' load (1, 5 and 15 minute averages): the figures' noise.
-        "load_average": {"start": os.getloadavg()},
-    }
+        load_average={"start": os.getloadavg()},
+    )
     with tempfile.TemporaryDirectory(prefix="shmloader-features-") as scratch:
         sections = {
             "first_batch": (functools.partial(first_batch, scratch=Path(scratch)), first_batch_table),

@@ -94,10 +94,8 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         print("CUDA is not available here: nothing to measure (this benchmark needs a GPU).")
         return
-    machine = report.machine()
-    machine["gpu"] = torch.cuda.get_device_name()
-    print(report.machine_line(machine) + f", {machine['gpu']}\n")
-    document = {"command": sys.argv, "machine": machine, "presets": {}}
+    print(f"GPU: {torch.cuda.get_device_name()}")
+    document = report.new_document(gpu=torch.cuda.get_device_name(), presets={})
     for name in ("uint8-224", "f32-512"):
         print(f"{name} ...", file=sys.stderr)
         record = document["presets"][name] = measure(name, args.quick)

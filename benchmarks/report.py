@@ -1,10 +1,12 @@
 """Turning measurements into figures, the terminal table and the JSON record."""
 import dataclasses
+import datetime
 import importlib.metadata
 import json
 import os
 import platform
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,19 @@ def machine() -> dict[str, Any]:
         "numpy": numpy.__version__,
         "psutil": psutil.__version__ if psutil else None,
         "shmloader": _installed_version("shmloader"),
+    }
+
+
+def new_document(**fields: Any) -> dict[str, Any]:
+    """The head of a benchmark's JSON record (when, the command, the machine, then
+    `fields`); prints the machine line the terminal table starts with."""
+    m = machine()
+    print(machine_line(m) + "\n")
+    return {
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": sys.argv,
+        "machine": m,
+        **fields,
     }
 
 

@@ -69,8 +69,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer batches per preset")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    machine = report.machine()
-    print(report.machine_line(machine) + "\n")
+    document = report.new_document()
     snapshot_us = per_call_us(lambda: worker_snapshot(None), 200)
     progress = Progress(worker_states=[None] * WORKERS)
     counter = iter(range(10**9))
@@ -91,9 +90,8 @@ def main(argv=None) -> None:
               f"{f['state_dict_max_us']:>7.0f} us{f['state_bytes']:>10} B"
               f"{f['worker_ms_per_batch']:>17.2f}{f['snapshot_share']:>16.2%}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": sys.argv, "machine": machine,
-                                    "worker_snapshot_us": snapshot_us,
-                                    "record_batch_us": record_us, "presets": rows}, indent=2))
+    document.update(worker_snapshot_us=snapshot_us, record_batch_us=record_us, presets=rows)
+    args.out.write_text(json.dumps(document, indent=2))
     print(f"\nfigures written to {args.out}")
 
 

@@ -85,7 +85,9 @@ class RNGMap(Dataset):
         }
 
 
-def _rich_sample(i):
+def _tensor_leaves(i):
+    """Tensors of many dtypes (0-dim, empty, NaN/inf/-0.0), numpy arrays and scalars: the
+    fixed-size leaves _rich_sample and _numeric_sample share."""
     g = torch.Generator().manual_seed(i)
     base = torch.randn(2, 3, generator=g)
     return {
@@ -99,7 +101,7 @@ def _rich_sample(i):
         "i16": torch.full((2,), i, dtype=torch.int16),
         "f64_scalar": torch.tensor(i * 1.5, dtype=torch.float64),
         "i32_scalar": torch.tensor(i, dtype=torch.int32),
-        "empty": torch.empty(0, 4),
+        "empty": torch.zeros(0, 4),
         "special": torch.tensor([math.nan, math.inf, -math.inf, -0.0, float(i)]),
         "np_f64": np.linspace(0.0, float(i), 5),
         "np_i32": np.arange(4, dtype=np.int32) * i,
@@ -110,6 +112,12 @@ def _rich_sample(i):
         "np_empty": np.zeros((0, 3), dtype=np.float32),
         "np_f32_scalar": np.float32(i / 3),
         "np_i64_scalar": np.int64(i * 1000),
+    }
+
+
+def _rich_sample(i):
+    return {
+        **_tensor_leaves(i),
         "np_bool_scalar": np.bool_(i % 2),
         "int": i,
         "float": i / 7,
@@ -562,32 +570,10 @@ def _numeric_sample(i):
     dtype and shape for all i.  Nested dicts, tuples, lists, namedtuples, an OrderedDict, tensors
     of many dtypes (0-dim, empty, NaN/inf/-0.0, non-contiguous: transposed, strided, expanded),
     numpy arrays (also non-contiguous and 0-dim) and scalars, python ints, floats and bools."""
-    g = torch.Generator().manual_seed(i)
-    base = torch.randn(2, 3, generator=g)
     return {
-        "u8": torch.arange(6, dtype=torch.uint8).reshape(2, 3) + i,
-        "f32": base,
-        "f16": base.to(torch.float16),
-        "bf16": base.to(torch.bfloat16),
-        "bool": base > 0,
-        "i64": torch.tensor([i, -i, 2**40 + i]),
-        "c64": torch.complex(base, -base),
-        "i16": torch.full((2,), i, dtype=torch.int16),
-        "f64_scalar": torch.tensor(i * 1.5, dtype=torch.float64),
-        "i32_scalar": torch.tensor(i, dtype=torch.int32),
-        "empty": torch.zeros(0, 4),
-        "special": torch.tensor([math.nan, math.inf, -math.inf, -0.0, float(i)]),
-        "np_f64": np.linspace(0.0, float(i), 5),
-        "np_i32": np.arange(4, dtype=np.int32) * i,
-        "np_u8": np.full((2, 2), i, dtype=np.uint8),
-        "np_bool": np.array([i % 2 == 0, True]),
-        "np_f16": np.array([i / 4, math.nan], dtype=np.float16),
-        "np_c128": np.array([complex(i, -i)]),
-        "np_empty": np.zeros((0, 3), dtype=np.float32),
+        **_tensor_leaves(i),
         "np_0d": np.array(i * 0.25),
         "np_noncontig": (np.arange(12.0).reshape(3, 4) + i).T,
-        "np_f32_scalar": np.float32(i / 3),
-        "np_i64_scalar": np.int64(i * 1000),
         "np_u16_scalar": np.uint16(i),
         "np_bool_scalar": np.bool_(i % 2),
         "int": i,

@@ -1,5 +1,6 @@
 """What the failure and churn tests look at, read from /proc and /dev/shm."""
 import os
+import signal
 import time
 
 
@@ -46,3 +47,28 @@ def own_children():
 def our_segments():
     """Entries of ours in /dev/shm (there should never be any)."""
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith("shmloader"))
+
+
+class Hang(Exception):
+    pass
+
+
+class deadline:
+    """Raise Hang in the main thread after `seconds`: a deadlocked or spinning loader then
+    fails its own test instead of tripping conftest's whole-run hang guard."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def _fire(self, signum, frame):
+        raise Hang(f"no progress within {self.seconds} s (deadlock or busy loop)")
+
+    def __enter__(self):
+        self._old = signal.signal(signal.SIGALRM, self._fire)
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def __exit__(self, *exc):
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, self._old)
+        return False

@@ -41,6 +41,8 @@ import torch
 from torch.utils.data import (Dataset, DistributedSampler, IterableDataset,
                               Sampler, get_worker_info)
 
+from tests.datasets import EpochRandomSampler
+
 EPOCHS = 3
 SEED = 1234  # the driver's global RNGs, at start-up and before every run
 GEN_SEED = 77  # the loader's generator=
@@ -167,24 +169,12 @@ class EagerCountingBatchSampler(Sampler):
         self.epochs = state["epochs"]
 
 
-class EpochSampler(Sampler):
+class EpochSampler(EpochRandomSampler):
     """No state_dict: a permutation of (seed, epoch) with set_epoch, like DistributedSampler
     without replicas; the loader can only fast-forward it."""
 
     def __init__(self, n=N, seed=17):
-        self.n = n
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-
-    def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
-
-    def __len__(self):
-        return self.n
+        super().__init__(n, seed)
 
 
 # ------------------------------------------------------------------------------ scenarios

@@ -13,7 +13,6 @@ import collections
 import functools
 import gc
 import random
-import signal
 import warnings
 
 import numpy as np
@@ -23,35 +22,12 @@ import torch.utils.data as tud
 
 from shmloader import DataLoader as ShmDataLoader
 from tests import datasets as D
+from tests.procs import deadline
 from tests.test_equivalence import SEED, seed_all
 
 TorchDataLoader = tud.DataLoader
 P = functools.partial
 N, BS = 40, 4  # 10 batches an epoch
-
-
-class Hang(Exception):
-    pass
-
-
-class deadline:
-    """Raise Hang in the main thread after `seconds` (see tests/test_sample_mode.py)."""
-
-    def __init__(self, seconds):
-        self.seconds = seconds
-
-    def _fire(self, signum, frame):
-        raise Hang(f"no progress within {self.seconds} s (deadlock or busy loop)")
-
-    def __enter__(self):
-        self._old = signal.signal(signal.SIGALRM, self._fire)
-        signal.setitimer(signal.ITIMER_REAL, self.seconds)
-        return self
-
-    def __exit__(self, *exc):
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, self._old)
-        return False
 
 
 def distributed(n, seed=5):

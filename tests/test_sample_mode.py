@@ -24,7 +24,7 @@ from shmloader import WorkerDied
 from shmloader._samples import SampleLayoutError
 from tests import datasets as D
 from tests.datasets_lifecycle import Dying, Images, Sleepy
-from tests.procs import our_segments, own_children, wait_gone
+from tests.procs import deadline, our_segments, own_children, wait_gone
 from tests.test_equivalence import (
     SEED,
     Fresh,
@@ -45,31 +45,6 @@ HANG_S = 20.0
 
 def sample_loader(assignment, **extra):
     return P(ShmDataLoader, fetch="sample", assignment=assignment, **extra)
-
-
-class Hang(Exception):
-    pass
-
-
-class deadline:
-    """Raise Hang in the main thread after `seconds` (a deadlocked or spinning loader then fails
-    its own test instead of tripping conftest's whole-run hang guard)."""
-
-    def __init__(self, seconds):
-        self.seconds = seconds
-
-    def _fire(self, signum, frame):
-        raise Hang(f"no progress within {self.seconds} s (deadlock or busy loop)")
-
-    def __enter__(self):
-        self._old = signal.signal(signal.SIGALRM, self._fire)
-        signal.setitimer(signal.ITIMER_REAL, self.seconds)
-        return self
-
-    def __exit__(self, *exc):
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, self._old)
-        return False
 
 
 # --------------------------------------------------------------------------- equivalence grid
