@@ -24,6 +24,7 @@ import functools
 import itertools
 import os
 import time
+import weakref
 from collections import deque
 from multiprocessing.connection import wait as wait_fds
 
@@ -71,7 +72,11 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._options = loader._shm_options
         self._fetch = loader.fetch
         self._prefetch_next_epoch = loader.prefetch_next_epoch
-        self._loader = loader
+        self._batch_size = loader.batch_size
+        # prefetch_next_epoch (persistent workers, so the loader holds this
+        # iterator): a weak reference, which leaves no cycle to keep dropped
+        # loaders' workers alive until the garbage collector runs.
+        self._loader = weakref.proxy(loader)
         self._shutdown = False
         self._owner_pid = os.getpid()
         self._ring = None
@@ -155,7 +160,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         fixes, and the ring is made from it while the others go on fetching.
         Returns None, or the first sample's error (which becomes this
         batch's result)."""
-        capacity = self._loader.batch_size or len(index)
+        capacity = self._batch_size or len(index)
         self._pool.broadcast(("probe", task_id, index, epoch, position, capacity))
         while True:
             arrived, payload = self._next_arrival()
