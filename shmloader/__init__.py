@@ -1,8 +1,9 @@
 """shmloader: torch's DataLoader, with batches moved through shared-memory slots."""
 from ._rings import SharedMemoryError
 from ._pool import WorkerDied
+from ._samples import SampleLayoutError
 from ._stats import LoaderStats
 from .dataloader import DataLoader
 
-__all__ = ["DataLoader", "LoaderStats", "SharedMemoryError", "WorkerDied"]
+__all__ = ["DataLoader", "LoaderStats", "SampleLayoutError", "SharedMemoryError", "WorkerDied"]
 __version__ = "0.1.0"
