@@ -251,7 +251,15 @@ def worker_loop(cfg: WorkerConfig) -> None:
     except KeyboardInterrupt:
         pass  # the main process raises KeyboardInterrupt itself
     except (BrokenPipeError, ConnectionError, EOFError):
-        pass  # the main process is gone
+        _orphaned()
+
+
+def _orphaned() -> None:
+    """The main process is gone: leave at once.  Nothing here needs cleaning
+    up (the kernel closes the fds and unmaps the ring), and multiprocessing's
+    exit path could block: flushing stdio into a pipe nobody reads any more,
+    joining threads."""
+    os._exit(0)
 
 
 def _run(cfg: WorkerConfig) -> None:
@@ -303,6 +311,8 @@ def _run(cfg: WorkerConfig) -> None:
     while True:
         msg = inbox.next()
         if msg is None:
+            if inbox.manager_gone:
+                _orphaned()
             break
         kind = msg[0]
         if kind == "ring":

@@ -72,3 +72,27 @@ class deadline:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, self._old)
         return False
+
+
+def describe_stuck(pids) -> str:
+    """What processes that should have exited are doing: state, kernel wait channel and,
+    where py-spy is installed, their Python stacks (for a failure message)."""
+    import shutil
+    import subprocess
+
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/wchan") as f:
+                wchan = f.read()
+        except OSError as e:
+            out.append(f"pid {pid}: {e}")
+            continue
+        out.append(f"pid {pid}: state {state}, waiting in {wchan}")
+        if shutil.which("py-spy"):
+            dump = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True,
+                                  text=True, timeout=30)
+            out.append(dump.stdout + dump.stderr)
+    return "\n".join(out)

@@ -14,7 +14,7 @@ import torch
 
 from shmloader import DataLoader, WorkerDied
 from tests.datasets_lifecycle import Dying, Failing, Images, Sleepy
-from tests.procs import open_fds, our_segments, own_children, wait_gone
+from tests.procs import describe_stuck, open_fds, our_segments, own_children, wait_gone
 
 HANG = 60  # seconds after which a test counts as hung
 
@@ -169,7 +169,8 @@ def test_main_process_killed_workers_exit(context, signum):
     finally:
         proc.kill()
         proc.wait()
-    assert wait_gone(pids, 15)[0] == []
+    left = wait_gone(pids, 15)[0]
+    assert left == [], describe_stuck(left)
     assert our_segments() == []
 
 
