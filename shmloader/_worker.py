@@ -51,7 +51,9 @@ from __future__ import annotations
 import collections
 import os
 import random
+import select
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -262,7 +264,35 @@ def _orphaned() -> None:
     os._exit(0)
 
 
+def _watch_manager(manager_pid: int) -> None:
+    """A backstop beside _Inbox's own watch: a thread that ends this worker as
+    soon as the main process is gone, wherever the worker's main thread may
+    be blocked then (a message half sent by a dying main process, a full
+    pipe, a lock)."""
+    def watch():
+        try:
+            fd = os.pidfd_open(manager_pid)
+        except ProcessLookupError:
+            _orphaned()
+        except (AttributeError, OSError):
+            fd = None
+        while True:
+            if fd is not None:
+                select.select([fd], [], [])
+                _orphaned()
+            time.sleep(WATCHDOG_INTERVAL)
+            try:
+                os.kill(manager_pid, 0)
+            except ProcessLookupError:
+                _orphaned()
+            except PermissionError:
+                pass
+
+    threading.Thread(target=watch, name="shmloader-watchdog", daemon=True).start()
+
+
 def _run(cfg: WorkerConfig) -> None:
+    _watch_manager(cfg.manager_pid)
     signal_handling._set_worker_signal_handlers()
     torch.multiprocessing._set_thread_name("pt_data_worker")
     torch.set_num_threads(1)
