@@ -133,6 +133,8 @@ class _RefUnpickler(pickle.Unpickler):
         kind = ref[0]
         if kind == TENSOR:
             _, offset, dtype, shape, stride, count, requires_grad = ref
+            if offset % dtype.itemsize:  # a misaligned view: vector loads would fault
+                raise pickle.UnpicklingError(f"slot reference {ref!r} is not aligned")
             if count == 0:
                 if math.prod(shape) != 0:
                     raise pickle.UnpicklingError(f"slot reference {ref!r} has no bytes")
@@ -148,8 +150,8 @@ class _RefUnpickler(pickle.Unpickler):
         if kind == NDARRAY:
             _, offset, dtype, shape, strides = ref
             dtype = np.dtype(dtype)
-            if dtype.hasobject or not _inside(offset, shape, strides, dtype.itemsize,
-                                              len(self._buffer)):
+            if dtype.hasobject or offset % dtype.alignment or not _inside(
+                    offset, shape, strides, dtype.itemsize, len(self._buffer)):
                 raise pickle.UnpicklingError(f"slot reference {ref!r} does not fit the slot")
             return np.ndarray(shape, dtype=dtype, buffer=self._buffer,
                               offset=offset, strides=strides)

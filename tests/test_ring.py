@@ -286,3 +286,23 @@ def test_a_forked_child_dropping_a_lease_leaves_the_slot_to_its_owner():
     del view, lease
     gc.collect()
     assert ring.slot_state(slot) == _ring.FREE
+
+
+def test_misaligned_slot_reference_is_refused():
+    """Found by the decoder fuzz: a complex128 view at an odd offset made torch's vector
+    loads fault.  A reference off its dtype's alignment is an error, not a view."""
+    import pickle
+
+    from shmloader import _layout
+
+    ring = Ring.create_in("/dev/shm", 1, 4096)
+    slot = ring.claim()
+    ring.publish(slot, 1, 0, 0)
+    lease = ring.acquire()
+    bad = _layout.dumps([torch.zeros(1, dtype=torch.complex128)],
+                        lambda leaf: ("t", 1, torch.complex128, (1,), (1,), 1, False), 1)
+    with pytest.raises(pickle.UnpicklingError, match="not aligned"):
+        _layout.loads(bad, lease)
+    good = _layout.dumps([torch.zeros(1, dtype=torch.complex128)],
+                         lambda leaf: ("t", 64, torch.complex128, (1,), (1,), 1, False), 1)
+    assert _layout.loads(good, lease)[0][0].dtype == torch.complex128
