@@ -450,7 +450,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         if messages:
             arrivals.extend((lease.seq, lease) for lease in self._acquire_all())
         more = []  # messages read while waiting for row errors
-        arrivals = [self._with_row_errors(a, more) for a in arrivals if a is not None]
+        # Only a fetch="sample" slot with failed rows needs more than passing on.
+        arrivals = [self._with_row_errors(a, more)
+                    if _kind(a[1]) == "slot" and a[1].failed_rows else a
+                    for a in arrivals if a is not None]
         arrivals += more
         arrivals.sort(key=lambda a: -1 if a[0] is None else a[0])
         self._arrivals.extend(arrivals)
@@ -460,8 +463,6 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         first failed row.  Each row's error was sent before that row counted
         as done, so all of them are in the pipes by now."""
         task_id, payload = arrival
-        if _kind(payload) != "slot" or not payload.failed_rows:
-            return arrival
         errors = self._row_errors.setdefault(task_id, {})
         while len(errors) < payload.failed_rows:
             fired = self._ring.wait(1.0, self._pool.wait_fds) or []
