@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import _utils
 from torch.utils.data.dataloader import (
     IterDataPipe,
+    _DatasetKind,
     MapDataPipe,
     _BaseDataLoaderIter,
     _sharding_worker_init_fn,
@@ -132,6 +133,18 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             if slot_bytes:
                 self._start_ring(slot_bytes)
         self._reset(loader, first_iter=True)
+
+    def __next__(self):
+        # torch's __next__ opens a profiler record_function around every
+        # batch: ~5 us that records nothing unless a profiler is on.  Only a
+        # map-style dataset's iterator that has begun skips it (torch's
+        # IterableDataset length check and first _reset stay torch's).
+        if self._dataset_kind == _DatasetKind.Iterable or self._sampler_iter is None \
+                or torch.autograd._profiler_enabled():
+            return super().__next__()
+        data = self._next_data()
+        self._num_yielded += 1
+        return data
 
     # ---- ring -------------------------------------------------------------
 
@@ -447,7 +460,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         arrivals = [(lease.seq, lease) for lease in leases]
         for worker_id, msg in messages:
             arrivals.append(self._accept(worker_id, msg))
-        if messages:
+        if messages or not leases:  # and what the sleep ended for
             arrivals.extend((lease.seq, lease) for lease in self._acquire_all())
         more = []  # messages read while waiting for row errors
         # Only a fetch="sample" slot with failed rows needs more than passing on.
@@ -507,12 +520,15 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             _discard(payload)
 
     def _next_data(self):
-        with self._failing_workers():
+        try:  # what _failing_workers() does, without a generator per batch
             while self._replay:  # resuming an IterableDataset that cannot say where it was
                 self._replay -= 1
                 with contextlib.suppress(Exception):
                     self._next_batch()
             batch = self._next_batch()
+        except WorkerDied:
+            self._shutdown_workers(graceful=False)
+            raise
         counters = self._counters
         now = time.perf_counter()
         counters.wall_seconds += now - self._epoch_started

@@ -143,9 +143,8 @@ class _RefUnpickler(pickle.Unpickler):
                 # A storage of exactly this leaf's bytes (torch.save and
                 # pickling of one leaf then carry that leaf only), holding the
                 # slot's lease until it dies.
-                storage = torch.frombuffer(self._buffer, dtype=dtype, count=count,
-                                           offset=offset).untyped_storage()
-                tensor = torch.empty((0,), dtype=dtype).set_(storage, 0, shape, stride)
+                tensor = torch.frombuffer(self._buffer, dtype=dtype, count=count, offset=offset)
+                tensor.set_(tensor.untyped_storage(), 0, shape, stride)
             return tensor.requires_grad_() if requires_grad else tensor
         if kind == NDARRAY:
             _, offset, dtype, shape, strides = ref

@@ -8,9 +8,11 @@ death wakes the main process at once.
 """
 from __future__ import annotations
 
+import os
 import pickle
 import signal
 import socket
+import struct
 import time
 from multiprocessing.reduction import sendfds
 from pickle import PicklingError
@@ -20,6 +22,10 @@ from ._worker import WorkerConfig, worker_loop
 # Like torch's MP_STATUS_CHECK_INTERVAL: how long shutdown waits for workers
 # to exit on their own before terminating them.
 JOIN_TIMEOUT = 5.0
+# multiprocessing.Connection's framing: a 4-byte big-endian length, then the bytes.
+_FRAME_HEADER = struct.Struct("!i")
+# Above this, Connection writes header and payload apart; leave such messages to it.
+_ONE_WRITE_BYTES = 16384
 
 
 class WorkerDied(RuntimeError):
@@ -93,7 +99,7 @@ class WorkerPool:
         try:
             # Plain pickle: a task holds indices, never tensors to share, and
             # this skips ForkingPickler's per-call setup on the per-batch path.
-            self._tasks[worker_id].send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+            send_bytes(self._tasks[worker_id], pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
         except OSError:
             self.raise_if_dead()
             raise
@@ -104,7 +110,7 @@ class WorkerPool:
         for i, conn in enumerate(self._tasks):
             if i not in self._exiting:
                 try:
-                    conn.send_bytes(data)
+                    send_bytes(conn, data)
                 except OSError:
                     self.raise_if_dead()
                     raise
@@ -189,3 +195,16 @@ class WorkerPool:
         for conn in self._tasks + self._results:
             conn.close()
         self._exiting = set(range(len(self.processes)))
+
+
+def send_bytes(conn, data: bytes) -> None:
+    """conn.send_bytes(data), in one os.write for a small message: a task is
+    sent per batch, and Connection's checks and copies cost more than the
+    write itself.  The worker reads it with its Connection as usual."""
+    if len(data) > _ONE_WRITE_BYTES:
+        conn.send_bytes(data)
+        return
+    frame = memoryview(_FRAME_HEADER.pack(len(data)) + data)
+    fd = conn.fileno()
+    while frame:  # a signal may cut a write short
+        frame = frame[os.write(fd, frame):]

@@ -380,6 +380,25 @@ def test_resizing_a_leaf_in_place_behaves_like_torch():
     D.assert_same(_grow_in_place(TorchDataLoader), _grow_in_place(ShmDataLoader), "resize_ events")
 
 
+def _profiled_batch_events(cls, kind):
+    """How many of torch's per-batch "enumerate(DataLoader)#..." events a profiler
+    records over one epoch, and the batches yielded."""
+    loader = cls(kind(12), batch_size=3, num_workers=2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        batches = len(list(loader))
+    events = [e for e in prof.events() if e.name.startswith("enumerate(DataLoader)#")]
+    return len(events), batches
+
+
+@pytest.mark.parametrize("kind", [D.RNGMap, D.ShardedIterable])
+def test_profiler_sees_every_batch_like_torch(kind):
+    """shmloader skips torch's per-batch record_function only while no profiler
+    is on; under one, each batch is recorded as torch records it."""
+    got = _profiled_batch_events(ShmDataLoader, kind)
+    assert got == _profiled_batch_events(TorchDataLoader, kind)
+    assert got[0] >= got[1] > 0  # torch records the call that ends the epoch too
+
+
 # --------------------------------------------------------------------------- RNG draw order
 def test_main_process_draws_base_seed_before_sampler():
     """The loader must consume the global torch RNG exactly like torch: base seed first, then the
