@@ -11,6 +11,7 @@
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 #ifdef __SSE2__
 #include <emmintrin.h>
@@ -45,7 +46,10 @@ struct shmring_slot {
     _Atomic uint32_t next_row;    /* fetch_add by producers: the next unclaimed row */
     _Atomic uint32_t rows_done;   /* fetch_add (acq_rel) by producers per row written */
     _Atomic uint32_t rows_failed; /* rows whose sample raised instead */
-    char pad1[CACHE_LINE - 4 * 8 - 3 * 4];
+    /* 1 once the slot's pages are reserved (shmring_reserve): a hint that
+     * spares later writers the syscall; any of them may set it. */
+    _Atomic uint32_t reserved;
+    char pad1[CACHE_LINE - 4 * 8 - 4 * 4];
 };
 
 /* Per-worker counters, added to by that worker (relaxed: totals only). */
@@ -81,11 +85,11 @@ static uint64_t data_offset(uint32_t nslots) {
                     page_size());
 }
 
-/* Map fd and fill the handle.  No MAP_POPULATE: the pages are reserved
- * already (posix_fallocate), and on tmpfs populating also zeroes them, some
- * 30 ms per 80 MB on the path to the first batch.  Each process instead
- * faults a page in once, the first time it touches it (the first use of each
- * slot); from then on no batch pays a page fault. */
+/* Map fd and fill the handle.  No MAP_POPULATE: on tmpfs populating
+ * allocates and zeroes every page, some 30 ms per 80 MB on the path to the
+ * first batch.  A slot's pages are reserved by its first writer (see
+ * shmring_reserve), and each process faults a page in once, the first time
+ * it touches it; from then on no batch pays a page fault. */
 static int map_segment(int fd, int efd, uint64_t bytes, shmring_t **out) {
     shmring_t *r = calloc(1, sizeof(*r));
     if (!r) return -ENOMEM;
@@ -145,12 +149,26 @@ static int init_segment(int fd, uint32_t nslots, uint64_t slot_bytes, shmring_t 
     }
     int err = 0;
     int efd = -1;
+    struct statvfs fs;
     if (ftruncate(fd, (off_t)total) != 0) {
         err = errno;
         goto fail;
     }
+    /* The header now; each slot's data when it is first written (by the
+     * producer, shmring_reserve).  Reserving all of it here zeroed some 20 ms
+     * per 80 MB of pages before the first batch could be written, on cores
+     * the workers need.  The room for all of it must be free now, though: a
+     * too-small /dev/shm fails here. */
+    if (fstatvfs(fd, &fs) != 0) {
+        err = errno;
+        goto fail;
+    }
+    if ((uint64_t)fs.f_bavail < (total - data_off) / fs.f_frsize + 1) {
+        err = ENOSPC;
+        goto fail;
+    }
     /* posix_fallocate returns the error instead of setting errno. */
-    err = posix_fallocate(fd, 0, (off_t)total);
+    err = posix_fallocate(fd, 0, (off_t)data_off);
     if (err) goto fail;
     efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (efd < 0) {
@@ -169,7 +187,10 @@ static int init_segment(int fd, uint32_t nslots, uint64_t slot_bytes, shmring_t 
     h->owner_uid = (uint32_t)geteuid();
     h->header_bytes = sizeof(struct shmring_header);
     atomic_init(&h->consumer_sleeping, 0);
-    for (uint32_t i = 0; i < nslots; i++) atomic_init(&(*out)->slots[i].state, SHMRING_FREE);
+    for (uint32_t i = 0; i < nslots; i++) {
+        atomic_init(&(*out)->slots[i].state, SHMRING_FREE);
+        atomic_init(&(*out)->slots[i].reserved, 0);
+    }
     (*out)->workers = (struct shmring_worker *)((*out)->base + workers_offset(nslots));
     /* The magic goes last, with release order: an attacher that sees it sees
      * a complete header. */
@@ -265,6 +286,17 @@ static int transition(shmring_t *r, uint32_t slot, uint32_t from, uint32_t to,
     return 0;
 }
 
+int shmring_reserve(shmring_t *r, uint32_t slot) {
+    if (slot >= r->hdr->nslots) return -EINVAL;
+    struct shmring_slot *s = &r->slots[slot];
+    if (atomic_load_explicit(&s->reserved, memory_order_acquire)) return 0;
+    uint64_t offset = r->hdr->data_off + (uint64_t)slot * r->hdr->slot_bytes;
+    int err = posix_fallocate(r->fd, (off_t)offset, (off_t)r->hdr->slot_bytes);
+    if (err) return -err;
+    atomic_store_explicit(&s->reserved, 1, memory_order_release);
+    return 0;
+}
+
 int shmring_claim(shmring_t *r, uint32_t *slot) {
     for (uint32_t i = 0; i < r->hdr->nslots; i++) {
         if (transition(r, i, SHMRING_FREE, SHMRING_CLAIMED, memory_order_acquire) == 0) {
@@ -273,6 +305,14 @@ int shmring_claim(shmring_t *r, uint32_t *slot) {
         }
     }
     return -EAGAIN;
+}
+
+int shmring_reserve_all(shmring_t *r) {
+    for (uint32_t i = 0; i < r->hdr->nslots; i++) {
+        int rc = shmring_reserve(r, i);
+        if (rc) return rc;
+    }
+    return 0;
 }
 
 int shmring_publish(shmring_t *r, uint32_t slot, uint64_t seq, uint64_t meta_off,

@@ -54,7 +54,7 @@
 #include <stdint.h>
 
 #define SHMRING_MAGIC 0x474e49524d485321ULL /* "!SHMRING" little-endian */
-#define SHMRING_VERSION 2u
+#define SHMRING_VERSION 3u
 #define SHMRING_MAX_SLOTS 4096u
 #define SHMRING_MAX_WORKERS 256u    /* workers with counters; more still work, uncounted */
 #define SHMRING_WORKER_COUNTERS 4   /* what each counts is the caller's business */
@@ -68,10 +68,10 @@ enum shmring_state {
 
 typedef struct shmring shmring_t; /* process-local handle, opaque */
 
-/* Create a segment for `nslots` slots of at least `slot_bytes` each, reserve
- * every page (posix_fallocate: a too-small /dev/shm fails here with -ENOSPC,
- * not later with SIGBUS), map it, and create the wake-up
- * eventfd.  The segment never has a name anyone else could open or that a
+/* Create a segment for `nslots` slots of at least `slot_bytes` each, map it,
+ * and create the wake-up eventfd.  The header's pages are reserved now, a
+ * slot's by its first writer (shmring_reserve); but the filesystem must have
+ * room for all of them now (a too-small /dev/shm fails here with -ENOSPC).  The segment never has a name anyone else could open or that a
  * dying process could leave behind:
  *   _in:    an unnamed file (O_TMPFILE) in the tmpfs directory `dir`;
  *   _named: for kernels without O_TMPFILE on tmpfs, shm_open(`name`, O_EXCL)
@@ -105,6 +105,15 @@ int shmring_slot_state(const shmring_t *r, uint32_t slot);
 
 /* Consumer: move a FREE slot to CLAIMED; -EAGAIN when none is free. */
 int shmring_claim(shmring_t *r, uint32_t *slot);
+
+/* Producer, before its first write to a slot: reserve the slot's pages
+ * (posix_fallocate, once per slot for all processes), so that no write ever
+ * lands on memory tmpfs cannot supply (SIGBUS).  -ENOSPC when /dev/shm has
+ * filled up since the ring was made. */
+int shmring_reserve(shmring_t *r, uint32_t slot);
+
+/* Consumer: reserve every slot's pages now (before pinning the whole ring). */
+int shmring_reserve_all(shmring_t *r);
 
 /* Producer: CLAIMED -> READY with the payload's sequence number and the
  * location of its metadata inside the slot; wakes a sleeping consumer. */

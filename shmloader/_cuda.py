@@ -78,6 +78,7 @@ def register(ring, cudart=None) -> str | None:
     """Pin the ring's slots with CUDA and fence its slots.  Returns None, or
     why it could not be done (the caller falls back to torch's pinning)."""
     try:
+        ring.reserve_all()  # pinning touches every page: they must be there
         cudart = cudart or torch.cuda.cudart()
         address, size = ring.data_address, ring.data_bytes
         code = int(cudart.cudaHostRegister(address, size, _REGISTER_PORTABLE))

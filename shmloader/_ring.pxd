@@ -39,6 +39,8 @@ cdef extern from "shmring.h" nogil:
     char *shmring_slot_data(const shmring_t *r, uint32_t slot)
     int shmring_slot_state(const shmring_t *r, uint32_t slot)
     int shmring_claim(shmring_t *r, uint32_t *slot)
+    int shmring_reserve(shmring_t *r, uint32_t slot)
+    int shmring_reserve_all(shmring_t *r)
     int shmring_publish(shmring_t *r, uint32_t slot, uint64_t seq, uint64_t meta_off, uint64_t meta_len)
     int shmring_abandon(shmring_t *r, uint32_t slot)
     int shmring_acquire(shmring_t *r, uint32_t *slot, uint64_t *seq, uint64_t *meta_off, uint64_t *meta_len)

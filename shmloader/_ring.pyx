@@ -76,8 +76,8 @@ cdef class Ring:
 
     @staticmethod
     def create_in(str directory, uint32_t nslots, uint64_t slot_bytes):
-        """A new reserved, mapped, prefaulted segment: an unnamed file in the
-        tmpfs `directory`."""
+        """A new mapped segment (each slot reserved by its first writer, room
+        for all of them checked now): an unnamed file in the tmpfs `directory`."""
         return _create(shmring_create_in, directory, nslots, slot_bytes)
 
     @staticmethod
@@ -133,6 +133,21 @@ cdef class Ring:
             return None
         _check(rc, "claiming a slot")
         return slot
+
+    def reserve(self, uint32_t slot):
+        """Reserve `slot`'s pages before writing to it (once per slot, for
+        every process): OSError (ENOSPC) when shared memory has no room."""
+        cdef int rc
+        with nogil:
+            rc = shmring_reserve(self._r, slot)
+        _check(rc, f"reserving the {shmring_slot_bytes(self._r)} bytes of slot {slot}")
+
+    def reserve_all(self):
+        """Reserve every slot's pages now (OSError if there is no room)."""
+        cdef int rc
+        with nogil:
+            rc = shmring_reserve_all(self._r)
+        _check(rc, "reserving the ring's shared memory")
 
     def publish(self, uint32_t slot, uint64_t seq, uint64_t meta_off, uint64_t meta_len):
         _check(shmring_publish(self._r, slot, seq, meta_off, meta_len),

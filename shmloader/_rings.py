@@ -34,6 +34,16 @@ def _ring_bytes_message(nslots, slot_bytes, cause) -> str:
     )
 
 
+def shm_full_message(cause: str) -> str:
+    """What to do when a slot's pages cannot be reserved on its first use
+    (/dev/shm had room for the ring when it was made, but no longer)."""
+    return (
+        f"shmloader could not reserve a ring slot's shared memory ({cause}): {SHM_DIR} "
+        "filled up after the ring was made, so this batch is lost, as it would be with "
+        "torch's transport. Free space in it (docker: --shm-size), or lower num_slots, "
+        "slot_bytes or the batch size.")
+
+
 def _check_limit(nslots: int, slot_bytes: int) -> None:
     limit = os.environ.get(LIMIT_ENV)
     if not limit:

@@ -73,6 +73,7 @@ from ._arena import Arena, SlotCollate, slot_bytes_needed
 from ._resume import (STATE_BYTES, carries_state, plain_worker_state, restore_worker_rng,
                       worker_snapshot)
 from ._ring import Ring
+from ._rings import SharedMemoryError, shm_full_message
 from ._samples import SampleLayout
 from ._seeding import seed_sample
 
@@ -191,8 +192,10 @@ class _Slots:
         self._storages = {}
 
     def slot(self, slot: int):
-        """(SlotMemory, uint8 storage) of `slot`."""
+        """(SlotMemory, uint8 storage) of `slot`; its first use reserves its
+        pages (OSError when /dev/shm has no room for them any more)."""
         if slot not in self._storages:
+            self.ring.reserve(slot)
             memory = self.ring.memory(slot)
             storage = torch.frombuffer(memory, dtype=torch.uint8).untyped_storage()
             self._storages[slot] = (memory, storage)
@@ -436,8 +439,13 @@ class _Work:
         """Fetch and deliver one batch.  Returns (pipe reply or None, iteration_end)."""
         cfg = self.cfg
         self.busy.start()
-        arena = self.slots.arena(slot, STATE_BYTES if self.snapshots else 0) \
-            if slot >= 0 else None
+        arena = None
+        if slot >= 0:
+            try:
+                arena = self.slots.arena(slot, STATE_BYTES if self.snapshots else 0)
+            except OSError as e:  # /dev/shm filled up since the ring was made
+                self.give_back(slot)
+                return ("error", task_id, self._shm_full(e)), False
         if self.slot_collate is not None:
             self.slot_collate.arena = arena
         try:
@@ -532,7 +540,12 @@ class _Work:
         counted done unwritten, so that the slot still completes and goes
         back.  Returns None: errors go out as they happen."""
         ring = self.slots.ring
-        memory, storage = self.slots.slot(slot)
+        memory = storage = None
+        if not stale:
+            try:
+                memory, storage = self.slots.slot(slot)
+            except OSError as e:  # every row of mine fails with it
+                error = error or self._shm_full(e)
         fetched = self.probed[1] if self.probed is not None and self.probed[0] == task_id \
             else {}
         self.probed = None
@@ -559,6 +572,15 @@ class _Work:
                               0 if failed else self.layout.sample_bytes)
             ring.row_done(slot, failed)
         return None
+
+
+    def _shm_full(self, cause: OSError):
+        """A slot's pages could not be reserved: its batch's error (torch's
+        transport would need the same /dev/shm, so there is no fallback)."""
+        try:
+            raise SharedMemoryError(shm_full_message(str(cause))) from cause
+        except SharedMemoryError:
+            return ExceptionWrapper(where=self.where)
 
 
 class _Reraised(Exception):
