@@ -61,6 +61,7 @@ from multiprocessing.reduction import recvfds
 from typing import Any, Callable
 
 import numpy as np
+import numpy.random  # noqa: F401  here, once: else every forked worker imports it (~9 ms) to seed
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import _DatasetKind, IterDataPipe
