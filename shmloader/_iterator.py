@@ -41,7 +41,7 @@ from torch.utils.data.dataloader import (
 from . import _cuda, _layout
 from ._pool import WorkerDied, WorkerPool
 from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
-from ._rings import create_ring
+from ._rings import create_ring, reserve_in_background
 from ._sampler_state import PrefetchedEpoch
 from ._warn import warn
 from ._worker import MEASURE, NO_SLOT
@@ -81,6 +81,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._shutdown = False
         self._owner_pid = os.getpid()
         self._ring = None
+        self._reserve_rest = False  # a new ring's unwritten slots are still to reserve
         self._epoch_base = 0  # task id of this epoch's first task
         self._send_idx = 0
         self._arrivals = deque()
@@ -153,6 +154,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._ring = self._options.take_spare_ring(self._nslots, slot_bytes)
         if self._ring is None:
             self._ring = create_ring(self._nslots, slot_bytes)
+            self._reserve_rest = True  # once the first batch is out (see _unpack)
         if self._register:
             self._registered = self._ring.release_hook is not None
             if not self._registered:
@@ -613,6 +615,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             counters.samples += data[5]
             return data[3], data[6]
         lease = data  # a SlotLease
+        if self._reserve_rest:
+            self._reserve_rest = False
+            reserve_in_background(self._ring)
         if lease.meta_len == 0:  # filled row by row (fetch="sample")
             meta = self._options.sample_layout.meta(lease.rows)
         else:

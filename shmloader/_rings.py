@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import threading
 from dataclasses import dataclass
 
 from ._ring import CLAIMED, Ring
@@ -80,6 +81,21 @@ def create_ring(nslots: int, slot_bytes: int) -> Ring:
         if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EOVERFLOW):
             raise SharedMemoryError(_ring_bytes_message(nslots, slot_bytes, e.strerror)) from e
         raise
+
+
+def reserve_in_background(ring: Ring) -> None:
+    """Reserve the slots no worker has written yet, in a thread (the GIL is
+    released while it runs), so that the whole ring holds its memory soon
+    after the first batch, not only as slots are first used: a loader made
+    later then sees what this one takes.  A slot that cannot be reserved now
+    is left to its first writer, which reports it (SharedMemoryError)."""
+    def reserve():
+        try:
+            ring.reserve_all()
+        except OSError:
+            pass
+
+    threading.Thread(target=reserve, name="shmloader-reserve", daemon=True).start()
 
 
 @dataclass

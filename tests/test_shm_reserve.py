@@ -4,6 +4,7 @@ it), and a /dev/shm that fills up after that is a clear fallback or error,
 never a SIGBUS."""
 import os
 import subprocess
+import time
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ import torch.utils.data as tud
 from shmloader import DataLoader, SharedMemoryError
 from shmloader._ring import Ring
 from tests.datasets_lifecycle import Images
+from tests.procs import deadline
 
 SLOT = 1 << 20
 
@@ -45,14 +47,20 @@ def test_a_slot_reserved_in_one_process_is_reserved_for_all():
     assert _reserved_bytes(ring) == header + 2 * SLOT
 
 
-def test_loader_reserves_only_the_slots_it_writes():
-    """Two batches in flight at most: of 24 slots, the ring reserves a few."""
-    loader = DataLoader(Images(16, shape=(3, 64, 64)), batch_size=4, num_workers=1,
-                        prefetch_factor=1, num_slots=24, slot_bytes=SLOT, persistent_workers=True)
+def test_loader_reserves_the_rest_of_its_ring_after_the_first_batch():
+    """Before the first batch only the slots being written are reserved (at most
+    the 2 batches in flight, of 24 slots); soon after it, all of them, so that
+    a loader made later sees what this one takes."""
+    loader = DataLoader(Images(64, shape=(3, 64, 64)), batch_size=4, num_workers=1,
+                        prefetch_factor=2, num_slots=24, slot_bytes=SLOT,
+                        persistent_workers=True)
     it = iter(loader)
-    got = list(it)
-    assert [b[0, 0, 0, 0].item() for b in got] == [0, 4, 8, 12]
-    assert _reserved_bytes(it._ring) <= 8 * SLOT < 24 * SLOT
+    assert _reserved_bytes(it._ring) <= 3 * SLOT
+    assert next(it)[0, 0, 0, 0].item() == 0
+    with deadline(30):
+        while _reserved_bytes(it._ring) < 24 * SLOT:
+            time.sleep(0.01)
+    assert [b[0, 0, 0, 0].item() for b in it] == list(range(4, 64, 4))
 
 
 @pytest.fixture(scope="module")
