@@ -457,13 +457,14 @@ int shmring_wait(shmring_t *r, int timeout_ms, struct pollfd *fds, int nfds) {
     }
     atomic_store_explicit(&r->hdr->consumer_sleeping, 1, memory_order_seq_cst);
     int rc = 0;
-    if (!any_ready(r)) {
-        int n = poll(all, (nfds_t)nfds + 1, timeout_ms);
-        if (n < 0)
-            rc = -errno;
-        else if (n == 0)
-            rc = -ETIMEDOUT;
-    }
+    /* With a slot READY already, no sleep, but still a look at the fds: a
+     * caller waiting for a pipe message must not spin past a READY slot. */
+    int ready = any_ready(r);
+    int n = poll(all, (nfds_t)nfds + 1, ready ? 0 : timeout_ms);
+    if (n < 0)
+        rc = -errno;
+    else if (n == 0 && !ready)
+        rc = -ETIMEDOUT;
     atomic_store_explicit(&r->hdr->consumer_sleeping, 0, memory_order_relaxed);
     if (all[0].revents & POLLIN) {
         uint64_t drained;

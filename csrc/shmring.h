@@ -157,10 +157,10 @@ int shmring_worker_read(const shmring_t *r, uint32_t worker,
                         uint64_t out[SHMRING_WORKER_COUNTERS]);
 
 /* Consumer: sleep until a slot may be READY, one of `fds` has an event, or
- * `timeout_ms` passes (-1: no timeout).  Returns 0 on a wake-up (revents of
- * `fds` are filled; the caller then tries acquire and reads the fds that
- * fired), -ETIMEDOUT, or -EINTR when a signal arrived (the caller handles it
- * and calls again). */
+ * `timeout_ms` passes (-1: no timeout); with a slot READY already, return at
+ * once.  Returns 0 on a wake-up (revents of `fds` are filled, in either case;
+ * the caller then tries acquire and reads the fds that fired), -ETIMEDOUT, or
+ * -EINTR when a signal arrived (the caller handles it and calls again). */
 int shmring_wait(shmring_t *r, int timeout_ms, struct pollfd *fds, int nfds);
 
 /* Copy `n` bytes with non-temporal stores where the CPU has them (SSE2):

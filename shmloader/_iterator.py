@@ -442,8 +442,11 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         A worker answers its tasks in order, some in slots and some on its
         pipe; whatever it sent before a result we see is visible too (it
         wrote its pipe before publishing a later slot, and published before
-        writing a later message).  So taking all of both channels at once and
-        sorting by task id keeps every worker's results in its own order."""
+        writing a later message).  So taking the slots, then the pipes, and
+        sorting by task id keeps every worker's results in its own order,
+        which in_order=False yields as they come.  (in_order=True puts
+        results in task order anyway: there the pipes are read as the sleep
+        found them, sparing a poll() per batch.)"""
         leases = self._acquire_all()
         if leases:
             # Only a look at the pipes (one poll()), no sleep.
@@ -458,11 +461,14 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             self._counters.wait_seconds += time.perf_counter() - started
             if fired is None:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+            leases = self._acquire_all()  # what the sleep ended for
+            if leases and not self._in_order:
+                fired = self._ring.wait(0, self._pool.wait_fds) or []
         messages = self._pool.receive(fired)
         arrivals = [(lease.seq, lease) for lease in leases]
         for worker_id, msg in messages:
             arrivals.append(self._accept(worker_id, msg))
-        if messages or not leases:  # and what the sleep ended for
+        if messages:  # slots published before those messages
             arrivals.extend((lease.seq, lease) for lease in self._acquire_all())
         more = []  # messages read while waiting for row errors
         # Only a fetch="sample" slot with failed rows needs more than passing on.
@@ -480,7 +486,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         task_id, payload = arrival
         errors = self._row_errors.setdefault(task_id, {})
         while len(errors) < payload.failed_rows:
-            fired = self._ring.wait(1.0, self._pool.wait_fds) or []
+            # The pipes only: the ring would wake this at once for any READY slot.
+            fired = wait_fds(self._pool.wait_fds, 1.0)
             for worker_id, msg in self._pool.receive(fired):
                 other = self._accept(worker_id, msg)
                 if other is not None:

@@ -106,6 +106,22 @@ def test_wait_times_out_and_wakes_on_fd(ring):
         os.close(w)
 
 
+def test_wait_reports_fds_even_with_a_slot_ready(ring):
+    """A READY slot ends the wait at once, but the fds are still looked at: a
+    caller waiting for a pipe message (a failed row's error) must see it
+    rather than spin on the READY slot."""
+    slot = ring.claim()
+    ring.publish(slot, 1, 0, 0)
+    r, w = os.pipe()
+    try:
+        assert ring.wait(5, [r]) == []
+        os.write(w, b"x")
+        assert ring.wait(5, [r]) == [r]
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_create_refuses_existing_name():
     # Someone (another user, say) already holds the name: creation must fail,
     # never open their file.
