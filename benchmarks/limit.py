@@ -14,14 +14,12 @@ with two workers on two cores), so it may come out a little above 100% of the li
 
 One thing is not left to chance: whether malloc hands a batch's freed samples back to
 the kernel, to be faulted in again, page by page, by the next batch's. That depends on
-what else happens to lie at the top of the heap: the loaders' workers were seen to keep
-the memory while this loop, left alone, lost it on every batch and ran at a fifth of
-their speed on 12 MB samples. The limit's workers therefore
-tell malloc to keep freed memory (keep_freed_memory), so that its per-sample work costs
-what it costs in a loader's worker at best.
+what else happens to lie at the top of the heap (this loop, left alone, lost it on every
+batch and ran at a fifth of its speed on 12 MB samples). The limit's workers therefore
+tell malloc to keep freed memory, as shmloader's workers do (shmloader/_malloc.py);
+torch's workers leave malloc as it is.
 """
 import contextlib
-import ctypes
 import multiprocessing
 import time
 from math import prod
@@ -33,22 +31,9 @@ from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from measure import BenchmarkError, Epoch, Spec, consume
 
+from shmloader._malloc import keep_freed_memory
+
 ALIGN = 64  # bytes: each leaf starts on a cache line, as in shmloader's slots
-# glibc's mallopt parameters (malloc.h), and the largest mmap threshold it accepts on
-# 64-bit systems: allocations below it come from the heap, which can be reused.
-M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_MAX = 32 * 2**20
-NEVER = -1  # as M_TRIM_THRESHOLD: never give the top of the heap back to the kernel
-
-
-def keep_freed_memory() -> None:
-    """Have malloc (glibc's; others are left as they are) keep the memory of freed
-    samples for the next ones, in this process."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is not None:
-        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
-        mallopt(M_TRIM_THRESHOLD, NEVER)
 
 
 def buffer_bytes(spec: Spec) -> int:

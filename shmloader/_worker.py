@@ -71,6 +71,7 @@ from torch.utils.data.graph_settings import apply_random_seed
 
 from . import _layout
 from ._arena import Arena, SlotCollate, slot_bytes_needed
+from ._malloc import keep_freed_memory
 from ._resume import (STATE_BYTES, carries_state, plain_worker_state, restore_worker_rng,
                       worker_snapshot)
 from ._ring import Ring
@@ -300,6 +301,7 @@ def _run(cfg: WorkerConfig) -> None:
     signal_handling._set_worker_signal_handlers()
     torch.multiprocessing._set_thread_name("pt_data_worker")
     torch.set_num_threads(1)
+    keep_freed_memory()
     seed = _seed(cfg)
     dataset = cfg.dataset
     shared_rng = torch.Generator()

@@ -1,0 +1,60 @@
+"""Workers keep the memory of freed samples (shmloader/_malloc.py): a block that
+glibc would otherwise map afresh and unmap for every sample comes from the heap,
+so no batch pays page faults for memory the previous one gave back."""
+import ctypes
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from shmloader import DataLoader
+
+BLOCK = 24 * 2**20  # above glibc's initial 128 KiB mmap threshold, below its 32 MiB maximum
+
+
+def _heap_range():
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith("[heap]"):
+                low, high = line.split()[0].split("-")
+                return int(low, 16), int(high, 16)
+    return None
+
+
+class MallocProbe(Dataset):
+    """Sample i: whether a fresh BLOCK-byte malloc in this process came from the heap
+    (kept and reused) rather than from a mapping of its own (unmapped when freed)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        libc.free.argtypes = [ctypes.c_void_p]
+        address = libc.malloc(BLOCK)
+        try:
+            heap = _heap_range()
+            return torch.tensor(heap is not None and heap[0] <= address < heap[1])
+        finally:
+            libc.free(address)
+
+
+@pytest.mark.parametrize("context", ["spawn", "fork"])
+def test_worker_malloc_keeps_freed_memory(context):
+    """A spawned worker starts with glibc's defaults (its mmap threshold is below BLOCK):
+    only keep_freed_memory puts BLOCK on the heap."""
+    got = torch.cat(list(DataLoader(MallocProbe(), batch_size=2, num_workers=2,
+                                    multiprocessing_context=context)))
+    assert got.tolist() == [True] * 4
+
+
+def test_worker_init_fn_may_set_its_own_malloc_options():
+    got = torch.cat(list(DataLoader(MallocProbe(), batch_size=2, num_workers=2,
+                                    multiprocessing_context="spawn",
+                                    worker_init_fn=_default_mmap_threshold)))
+    assert got.tolist() == [False] * 4
+
+
+def _default_mmap_threshold(worker_id):
+    ctypes.CDLL(None).mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: glibc's default
