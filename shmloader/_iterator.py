@@ -51,6 +51,10 @@ from ._worker import MEASURE, NO_SLOT
 # last batch of a previous loop, one kept for logging) before any batch has
 # to travel by torch's transport.
 SPARE_SLOTS = 4
+# A new ring's slots are reserved as workers first write them; the rest of it
+# after this many batches from it: not while the first batch is on its way,
+# nor for a loader dropped after one batch.
+RESERVE_REST_AFTER = 2
 
 
 class ShmLoaderIter(_BaseDataLoaderIter):
@@ -81,7 +85,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._shutdown = False
         self._owner_pid = os.getpid()
         self._ring = None
-        self._reserve_rest = False  # a new ring's unwritten slots are still to reserve
+        # Batches a new ring delivers before the rest of it is reserved (see _unpack).
+        self._reserve_rest_in = 0
         self._epoch_base = 0  # task id of this epoch's first task
         self._send_idx = 0
         self._arrivals = deque()
@@ -154,7 +159,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._ring = self._options.take_spare_ring(self._nslots, slot_bytes)
         if self._ring is None:
             self._ring = create_ring(self._nslots, slot_bytes)
-            self._reserve_rest = True  # once the first batch is out (see _unpack)
+            self._reserve_rest_in = RESERVE_REST_AFTER
         if self._register:
             self._registered = self._ring.release_hook is not None
             if not self._registered:
@@ -622,9 +627,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             counters.samples += data[5]
             return data[3], data[6]
         lease = data  # a SlotLease
-        if self._reserve_rest:
-            self._reserve_rest = False
-            reserve_in_background(self._ring)
+        if self._reserve_rest_in:
+            self._reserve_rest_in -= 1
+            if not self._reserve_rest_in:
+                reserve_in_background(self._ring)
         if lease.meta_len == 0:  # filled row by row (fetch="sample")
             meta = self._options.sample_layout.meta(lease.rows)
         else:

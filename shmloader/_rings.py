@@ -86,7 +86,7 @@ def create_ring(nslots: int, slot_bytes: int) -> Ring:
 def reserve_in_background(ring: Ring) -> None:
     """Reserve the slots no worker has written yet, in a thread (the GIL is
     released while it runs), so that the whole ring holds its memory soon
-    after the first batch, not only as slots are first used: a loader made
+    after the first batches, not only as slots are first used: a loader made
     later then sees what this one takes.  A slot that cannot be reserved now
     is left to its first writer, which reports it (SharedMemoryError)."""
     def reserve():
