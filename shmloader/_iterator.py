@@ -449,9 +449,11 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         wrote its pipe before publishing a later slot, and published before
         writing a later message).  So taking the slots, then the pipes, and
         sorting by task id keeps every worker's results in its own order,
-        which in_order=False yields as they come.  (in_order=True puts
-        results in task order anyway: there the pipes are read as the sleep
-        found them, sparing a poll() per batch.)"""
+        which in_order=False yields as they come; but the slots taken after
+        reading messages (to include those published before them) may hold
+        one published after a message not read yet, which then overtakes it.
+        (in_order=True puts results in task order anyway: there the pipes
+        are read as the sleep found them, sparing a poll() per batch.)"""
         leases = self._acquire_all()
         if leases:
             # Only a look at the pipes (one poll()), no sleep.
