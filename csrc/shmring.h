@@ -71,8 +71,9 @@ typedef struct shmring shmring_t; /* process-local handle, opaque */
 /* Create a segment for `nslots` slots of at least `slot_bytes` each, map it,
  * and create the wake-up eventfd.  The header's pages are reserved now, a
  * slot's by its first writer (shmring_reserve); but the filesystem must have
- * room for all of them now (a too-small /dev/shm fails here with -ENOSPC).  The segment never has a name anyone else could open or that a
- * dying process could leave behind:
+ * room for all of them now (a too-small /dev/shm fails here with -ENOSPC).
+ * The segment never has a name anyone else could open or that a dying
+ * process could leave behind:
  *   _in:    an unnamed file (O_TMPFILE) in the tmpfs directory `dir`;
  *   _named: for kernels without O_TMPFILE on tmpfs, shm_open(`name`, O_EXCL)
  *           (an existing name fails with -EEXIST, never attaches to someone

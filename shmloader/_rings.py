@@ -21,6 +21,11 @@ class SharedMemoryError(RuntimeError):
     """The ring does not fit in shared memory."""
 
 
+# What to do about shared memory that is short, in every such message.
+_SHM_ADVICE = (f"Enlarge {SHM_DIR} (docker: --shm-size) or free space in it, or lower "
+               "num_slots, slot_bytes or the batch size.")
+
+
 def _ring_bytes_message(nslots, slot_bytes, cause) -> str:
     total = nslots * slot_bytes
     try:
@@ -30,8 +35,7 @@ def _ring_bytes_message(nslots, slot_bytes, cause) -> str:
         free = f"{SHM_DIR} cannot be inspected"
     return (
         f"shmloader needs {total} bytes of shared memory for its ring "
-        f"({nslots} slots x {slot_bytes} bytes) but {free} ({cause}). Enlarge {SHM_DIR} "
-        "(docker: --shm-size), or lower num_slots, slot_bytes or the batch size."
+        f"({nslots} slots x {slot_bytes} bytes) but {free} ({cause}). {_SHM_ADVICE}"
     )
 
 
@@ -41,8 +45,7 @@ def shm_full_message(cause: str) -> str:
     return (
         f"shmloader could not reserve a ring slot's shared memory ({cause}): {SHM_DIR} "
         "filled up after the ring was made, so this batch is lost, as it would be with "
-        "torch's transport. Free space in it (docker: --shm-size), or lower num_slots, "
-        "slot_bytes or the batch size.")
+        f"torch's transport. {_SHM_ADVICE}")
 
 
 def _check_limit(nslots: int, slot_bytes: int) -> None:
