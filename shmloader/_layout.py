@@ -25,6 +25,11 @@ import torch
 TENSOR = "t"
 NDARRAY = "n"
 
+# A quantized dtype over raw bytes is a tensor with no quantizer: reading it
+# segfaults inside torch.  is_slot_tensor never places one, so a reference
+# naming one is corrupt.
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
 
 def is_slot_tensor(obj) -> bool:
     """A tensor whose bytes can live in a slot: plain, dense, strided, CPU."""
@@ -133,6 +138,8 @@ class _RefUnpickler(pickle.Unpickler):
         kind = ref[0]
         if kind == TENSOR:
             _, offset, dtype, shape, stride, count, requires_grad = ref
+            if type(dtype) is not torch.dtype or dtype in _QUANTIZED:
+                raise pickle.UnpicklingError(f"slot reference {ref!r} has no plain dtype")
             if offset % dtype.itemsize:  # a misaligned view: vector loads would fault
                 raise pickle.UnpicklingError(f"slot reference {ref!r} is not aligned")
             if count == 0:

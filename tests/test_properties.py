@@ -389,8 +389,9 @@ _JUNK = st.one_of(st.none(), _JUNK_NOT_NONE)
 _SHAPES = st.one_of(st.lists(_INTS, max_size=4).map(tuple),
                     st.lists(st.integers(0, 8), max_size=4).map(tuple), _JUNK)
 _TORCH_DTYPE_VALUES = st.one_of(
-    st.sampled_from(TORCH_DTYPES + [torch.qint8, torch.quint8, torch.uint16, torch.uint32,
-                                    torch.uint64, torch.float8_e4m3fn, torch.complex32]),
+    st.sampled_from(TORCH_DTYPES + [torch.qint8, torch.quint8, torch.qint32, torch.quint4x2,
+                                    torch.quint2x4, torch.uint16, torch.uint32, torch.uint64,
+                                    torch.float8_e4m3fn, torch.complex32, torch.bits8]),
     st.sampled_from(["float32", "<f4", "torch.float32"]), _JUNK)
 _NP_DTYPE_VALUES = st.one_of(
     st.sampled_from(["<f4", ">f8", "|b1", "|u1", "<i8", "<c16", "<f2", "|V8", "|V0", "|S5",
@@ -576,8 +577,8 @@ def _child(metas, lease, wfd, quiet):
             else:
                 try:
                     problems = _inspect(out, lo, hi)
-                except Exception as e:  # noqa: BLE001 - e.g. a quantized tensor with no
-                    # quantizer: unusable, but an ordinary exception when used
+                except Exception as e:  # noqa: BLE001 - e.g. a bits8 tensor, which
+                    # torch cannot read: unusable, but an ordinary exception when used
                     problems, status = [], f"returned-unusable {type(e).__name__}"
                 else:
                     status = "returned"
@@ -774,3 +775,11 @@ def test_decoder_refuses_zero_count_tensor_reference(lease_of):
     # K3: count == 0 took the empty-tensor branch (torch.empty(shape)) whatever the shape.
     _decode_and_touch(_one_ref_meta(("t", 0, torch.float32, (1000,), (1,), 0, False)),
                       lease_of())
+
+
+def test_decoder_refuses_quantized_tensor_reference(lease_of):
+    # K4: a quantized dtype over slot bytes has no quantizer; reading it segfaulted.
+    meta = _one_ref_meta(("t", 0, torch.qint8, (1,), (1,), 1, False))
+    lease = lease_of()
+    assert _decode_and_read(meta, lease, 0) in ("exit 0", "exit 1")
+    _decode_and_touch(meta, lease)
