@@ -78,9 +78,13 @@ class Arena:
         """The slot reference for `leaf`, copying it into the slot if needed."""
         if isinstance(leaf, np.ndarray):
             offset = self._alloc(leaf.nbytes)
-            view = np.ndarray(leaf.shape, leaf.dtype, buffer=self._memory, offset=offset)
+            # Fortran order stays Fortran order, as numpy's pickling keeps it.
+            order = "F" if leaf.flags.f_contiguous and not leaf.flags.c_contiguous else "C"
+            view = np.ndarray(leaf.shape, leaf.dtype, buffer=self._memory, offset=offset,
+                              order=order)
             view[...] = leaf
-            return (_layout.NDARRAY, offset, leaf.dtype.str, view.shape, view.strides)
+            # The dtype itself: its .str would drop a structured dtype's fields.
+            return (_layout.NDARRAY, offset, leaf.dtype, view.shape, view.strides)
         if not self.owns(leaf):
             # Keep the layout torch's pickling would keep (channels_last stays
             # channels_last); overlapping or gappy strides become contiguous.

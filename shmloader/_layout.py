@@ -10,7 +10,7 @@ of the slot.  Which leaves go into the slot, and how, is the placer's business
 
 Reference tuples (the pickle's persistent ids):
     ("t", byte_offset, torch.dtype, shape, stride, span in elements, requires_grad)
-    ("n", byte_offset, numpy dtype str, shape, strides)
+    ("n", byte_offset, numpy dtype, shape, strides)
 """
 from __future__ import annotations
 
@@ -50,7 +50,11 @@ def is_slot_ndarray(obj) -> bool:
 
 class _RefPickler(ForkingPickler):
     def __init__(self, file, place):
-        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        # Leaves that are not placed are pickled as torch's transport pickles
+        # them: ForkingPickler's default protocol (under protocol 5 a
+        # read-only numpy array would arrive read-only; torch's arrives
+        # writable).
+        super().__init__(file)
         self._place = place
         self.fallback_leaves = 0
 
@@ -99,7 +103,7 @@ def _identity(obj):
 
 class _DetachPickler(ForkingPickler):
     def __init__(self, file, owns):
-        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        super().__init__(file)  # torch's protocol, as in _RefPickler
         self._owns = owns
 
     def reducer_override(self, obj):

@@ -148,6 +148,30 @@ class RichMap(Dataset):
         return _rich_sample(i)
 
 
+class NumpyKindsMap(Dataset):
+    """Numpy arrays that a slot must keep as torch's pickling keeps them: read-only (arrives
+    writable), structured (keeps its fields), Fortran-ordered (keeps its order), big-endian,
+    datetime, and a non-contiguous view (arrives C-ordered)."""
+
+    def __init__(self, n=12):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        points = np.zeros(3, dtype=[("x", "<i4"), ("y", "<f8"), ("tag", "S2")])
+        points["x"], points["y"], points["tag"] = i, i / 2, b"ab"
+        return {
+            "read_only": np.frombuffer(bytes(range(i, i + 8)), dtype=np.uint8),
+            "structured": points,
+            "fortran": np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3) + i),
+            "big_endian": np.arange(4, dtype=">i8") * i,
+            "datetime": np.array([i, i + 1], dtype="datetime64[s]"),
+            "strided": np.arange(10, dtype=np.int16)[::3] + i,
+        }
+
+
 class GetItemsMap(Dataset):
     """Has __getitems__, which torch's fetcher uses for a whole batch when auto-collating."""
 
@@ -523,6 +547,7 @@ def assert_same(a, b, path="out"):
         assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
         assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
         assert a.flags.writeable == b.flags.writeable, f"{path}: writeable flag differs"
+        assert a.strides == b.strides, f"{path}: strides {a.strides} != {b.strides}"
         assert a.tobytes() == b.tobytes(), f"{path}: values differ\n torch: {a!r}\n shm:   {b!r}"
     elif isinstance(a, np.generic):
         assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"

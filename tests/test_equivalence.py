@@ -189,6 +189,8 @@ SCENARIOS = {
     "collate-numpy-w2": (P(D.IndexMap, 10), dict(batch_size=3, collate_fn=D.numpy_collate, **W2)),
     "collate-numpy-w0": (P(D.IndexMap, 10), dict(batch_size=3, collate_fn=D.numpy_collate)),
     "collate-dict-w2": (P(D.RichMap, 8), dict(batch_size=3, collate_fn=D.dict_collate, **W2)),
+    "collate-numpy-kinds-w2": (
+        P(D.NumpyKindsMap, 12), dict(batch_size=2, collate_fn=D.identity_collate, **W2)),
     "collate-object-w2": (P(D.IndexMap, 8), dict(batch_size=3, collate_fn=D.object_collate, **W2)),
     "collate-identity-growing-w2": (
         P(D.GrowingMap, 12), dict(batch_size=2, collate_fn=D.identity_collate, **W2)),
@@ -766,7 +768,8 @@ def test_slot_knobs_do_not_change_output(shm_kw):
     """Batches larger than a slot are still delivered whole; a user holding every batch (list())
     with few slots neither deadlocks nor sees data change."""
     for make, kw in [(P(D.GrowingMap, 12), dict(batch_size=2, collate_fn=D.identity_collate)),
-                     (P(D.RichMap, 8), dict(batch_size=4))]:
+                     (P(D.RichMap, 8), dict(batch_size=4)),
+                     (P(D.NumpyKindsMap, 12), dict(batch_size=2, collate_fn=D.identity_collate))]:
         t = run(TorchDataLoader, make, num_workers=2, epochs=2, **kw)
         s = run(P(ShmDataLoader, **shm_kw), make, num_workers=2, epochs=2, **kw)
         assert_results_same(t, s)
