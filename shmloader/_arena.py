@@ -5,6 +5,13 @@ One copy per leaf, as torch's own collate: the default collate stacks samples
 into their final place in the slot (instead of into a fresh shared-memory
 segment); leaves that are not already in the slot (a custom collate_fn's
 output, numpy arrays) are copied in once when the metadata is written.
+
+Sharing is kept as torch's transport keeps it: a leaf that occurs twice is
+placed once (and decoded as one object, see _layout), and tensors that view one storage
+view one copy of the bytes they span together, with their own offsets and
+strides, so in-place writes reach each other.  A tensor alone on its storage
+is copied alone and densely (torch would move its whole storage: all of a
+dataset-sized tensor for a sample sliced from it).
 """
 from __future__ import annotations
 
@@ -23,6 +30,17 @@ from ._ring import copy_stream
 ALIGN = 64  # cache line; also a multiple of every dtype's itemsize
 
 
+def _storage_key(leaf: torch.Tensor) -> tuple[int, int]:
+    storage = leaf.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _byte_range(leaf: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that a tensor spans."""
+    start = leaf.storage_offset() * leaf.dtype.itemsize
+    return start, start + _layout.span_elements(leaf.shape, leaf.stride()) * leaf.dtype.itemsize
+
+
 class SlotFull(Exception):
     """The batch (data plus metadata) does not fit its slot."""
 
@@ -39,6 +57,8 @@ class Arena:
         self._capacity = storage.nbytes()
         self._data_capacity = max(0, self._capacity - reserve)
         self.used = 0
+        self._shared = {}  # _storage_key -> [first, end) bytes that its views span together
+        self._copies = {}  # _storage_key -> slot offset of the copy of those bytes
 
     def _alloc(self, nbytes: int, capacity: int | None = None) -> int:
         capacity = self._data_capacity if capacity is None else capacity
@@ -74,8 +94,29 @@ class Arena:
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() == self._base
 
+    def find_shared_storages(self, batch) -> None:
+        """Note the storages that several tensors of `batch` view, before
+        place() meets them one by one.  (The default collate's tensors are
+        the slot's own and share nothing: it has no need of this.)"""
+        views = {}
+
+        def note(leaf):
+            if isinstance(leaf, torch.Tensor) and leaf.numel() and not self.owns(leaf) \
+                    and not leaf.is_conj() and not leaf.is_neg():
+                views.setdefault(_storage_key(leaf), {})[id(leaf)] = leaf
+            return ("noted",)
+
+        _layout.dumps(batch, note, 0)
+        for key, leaves in views.items():
+            if len(leaves) > 1:
+                ranges = [_byte_range(leaf) for leaf in leaves.values()]
+                first = min(start for start, _ in ranges)
+                # Aligned, so that each view keeps its elements' alignment.
+                self._shared[key] = (first - first % ALIGN, max(end for _, end in ranges))
+
     def place(self, leaf):
-        """The slot reference for `leaf`, copying it into the slot if needed."""
+        """The slot reference for `leaf`, copying it into the slot if needed.
+        (The pickle's memo asks once per leaf object.)"""
         if isinstance(leaf, np.ndarray):
             offset = self._alloc(leaf.nbytes)
             # Fortran order stays Fortran order, as numpy's pickling keeps it.
@@ -85,20 +126,35 @@ class Arena:
             view[...] = leaf
             # The dtype itself: its .str would drop a structured dtype's fields.
             return (_layout.NDARRAY, offset, leaf.dtype, view.shape, view.strides)
-        if not self.owns(leaf):
-            # Keep the layout torch's pickling would keep (channels_last stays
-            # channels_last); overlapping or gappy strides become contiguous.
+        if self.owns(leaf):
+            leaf_ref = leaf
+        elif _storage_key(leaf) in self._shared:
+            leaf_ref = self._in_shared_copy(leaf)
+        else:
+            # Alone: the layout torch's pickling would keep (channels_last
+            # stays channels_last), without the storage's other bytes.
             stride = torch.empty_like(leaf, device="meta").stride()
             copy = self.tensor(leaf.dtype, leaf.shape, stride)
             with torch.no_grad():
                 copy.copy_(leaf)
             leaf_ref = copy
-        else:
-            leaf_ref = leaf
         offset = leaf_ref.storage_offset() * leaf.dtype.itemsize
         stride = leaf_ref.stride()
         return (_layout.TENSOR, offset, leaf.dtype, tuple(leaf.shape), stride,
                 _layout.span_elements(leaf.shape, stride), leaf.requires_grad)
+
+    def _in_shared_copy(self, leaf: torch.Tensor) -> torch.Tensor:
+        """`leaf` as a view, with its own strides, of the slot's one copy of
+        the bytes that its storage's views span (copied at the first)."""
+        key = _storage_key(leaf)
+        first, end = self._shared[key]
+        base = self._copies.get(key)
+        if base is None:
+            base = self._copies[key] = self._alloc(end - first)
+            copy_stream(self._memory, base, key[0] + first, end - first)
+        start = base + _byte_range(leaf)[0] - first
+        return torch.empty((0,), dtype=leaf.dtype).set_(
+            self._storage, start // leaf.dtype.itemsize, leaf.shape, leaf.stride())
 
     def write_meta(self, meta: bytes) -> tuple[int, int]:
         offset = self._alloc(len(meta), self._capacity)
@@ -129,6 +185,7 @@ class Measure:
         self.used = 0
 
     def place(self, leaf):
+        # Each leaf on its own: at least what Arena.place takes for shared ones.
         self.used = (self.used + ALIGN - 1) // ALIGN * ALIGN + leaf.nbytes
         return ("measure",)
 

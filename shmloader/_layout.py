@@ -8,7 +8,9 @@ bytes never go through it.  On the consumer side the references become views
 of the slot.  Which leaves go into the slot, and how, is the placer's business
 (see _arena.py); this module only knows the reference format.
 
-Reference tuples (the pickle's persistent ids):
+Each slot leaf is pickled as a call of _slot_leaf on its reference (a
+persistent id), so that the pickle memo keeps a leaf that occurs twice one
+object.  Reference tuples:
     ("t", byte_offset, torch.dtype, shape, stride, span in elements, requires_grad)
     ("n", byte_offset, numpy dtype, shape, strides)
 """
@@ -48,6 +50,21 @@ def is_slot_ndarray(obj) -> bool:
     return type(obj) is np.ndarray and not obj.dtype.hasobject
 
 
+def _slot_leaf(view):
+    """Unpickling a slot leaf: the view persistent_load made of it.  Leaves
+    go through this reduce so that the pickle memo makes a leaf that occurs
+    twice in a batch one object, as torch's pickling does."""
+    return view
+
+
+class _Placed:
+    """A slot leaf's reference, which the pickle holds as a persistent id."""
+    __slots__ = ("ref",)
+
+    def __init__(self, ref):
+        self.ref = ref
+
+
 class _RefPickler(ForkingPickler):
     def __init__(self, file, place):
         # Leaves that are not placed are pickled as torch's transport pickles
@@ -59,13 +76,16 @@ class _RefPickler(ForkingPickler):
         self.fallback_leaves = 0
 
     def persistent_id(self, obj):
+        return obj.ref if type(obj) is _Placed else None
+
+    def reducer_override(self, obj):
         if is_slot_tensor(obj) or is_slot_ndarray(obj):
-            return self._place(obj)
+            return _slot_leaf, (_Placed(self._place(obj)),)
         if isinstance(obj, (torch.Tensor, np.ndarray)):
             # CUDA, sparse, nested, subclass or object arrays: torch's own
             # pickling path carries them.
             self.fallback_leaves += 1
-        return None
+        return NotImplemented
 
 
 def dumps(batch, place, samples: int, worker_state: bytes | None = None) -> bytes:

@@ -172,6 +172,25 @@ class NumpyKindsMap(Dataset):
         }
 
 
+def aliasing_collate(batch):
+    """For IndexMap samples: one tensor twice, views of it, a transposed and an expanded view,
+    and a view of a storage much larger than itself (copied alone by shmloader)."""
+    x = torch.stack([s[1] for s in batch])
+    big = torch.arange(1000.0)
+    return {"x": x, "same": x, "inputs": x[:, :-1], "targets": x[:, 1:], "t": x.t(),
+            "expanded": x[:1].expand(4, -1), "slice_of_big": big[:3], "again": [x, big[:3]]}
+
+
+def sharing(batch):
+    """What aliases what in an aliasing_collate batch, and whether in-place writes reach
+    each other: the facts torch's transport keeps."""
+    same_object = [batch["x"] is batch["same"], batch["again"][0] is batch["x"],
+                   batch["again"][1] is batch["slice_of_big"]]
+    batch["x"].add_(100)  # reaches every view of x, in torch's batches
+    reached = [bool((batch[k] >= 100).all()) for k in ("inputs", "targets", "t", "expanded")]
+    return same_object, reached, float(batch["slice_of_big"].sum())
+
+
 class GetItemsMap(Dataset):
     """Has __getitems__, which torch's fetcher uses for a whole batch when auto-collating."""
 

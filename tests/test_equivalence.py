@@ -758,6 +758,22 @@ def test_multiprocess_grid(n, batch_size, drop_last, num_workers, iterable):
           shuffle=not iterable)
 
 
+# slot_bytes given: the ring exists from the first batch on.
+@pytest.mark.parametrize("shm_kw", [dict(slot_bytes=1 << 16), dict(slot_bytes=256)],
+                         ids=["ring", "spilled"])
+def test_sharing_within_a_batch_like_torch(shm_kw):
+    """A leaf met twice is one object, and views of one tensor share its memory (in-place
+    writes reach each other), through the ring as through torch's transport."""
+    t = run(TorchDataLoader, P(D.IndexMap, 12), batch_size=3, collate_fn=D.aliasing_collate,
+            **W2)
+    s = run(P(ShmDataLoader, **shm_kw), P(D.IndexMap, 12), batch_size=3,
+            collate_fn=D.aliasing_collate, **W2)
+    assert_results_same(t, s)
+    for b, (x, y) in enumerate(zip(t.epochs[0], s.epochs[0], strict=True)):
+        assert D.sharing(x) == D.sharing(y), f"batch {b}"
+        D.assert_same(x, y, f"batch {b} after writing into x")
+
+
 # --------------------------------------------------------------------------- shm-only knobs
 @pytest.mark.parametrize(
     "shm_kw",
