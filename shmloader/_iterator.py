@@ -109,7 +109,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             init_fn = functools.partial(
                 _sharding_worker_init_fn, init_fn, self._world_size, self._rank
             )
-        slot_collate = self._collate_fn is _utils.collate.default_collate
+        # Only batches are collated into slots: with batch_size=None torch
+        # calls a default_collate passed explicitly on each sample (and its
+        # errors must be torch's).
+        slot_collate = self._auto_collation and self._collate_fn is _utils.collate.default_collate
         self._pool = WorkerPool(ctx, [
             dict(
                 dataset_kind=self._dataset_kind,

@@ -31,6 +31,21 @@ def _check_flag(name, value):
     return value
 
 
+def _fetched_one_by_one(dataset) -> bool:
+    """Whether dataset[i] for each index of a batch is what torch's fetcher
+    gets: it calls __getitems__ with the whole batch where a dataset has one,
+    and torch's Subset and StackDataset only pass the batch on to datasets of
+    theirs that have one."""
+    if not getattr(dataset, "__getitems__", None):
+        return True
+    if type(dataset) is torch.utils.data.Subset:
+        return _fetched_one_by_one(dataset.dataset)
+    if type(dataset) is torch.utils.data.StackDataset:
+        inner = dataset.datasets
+        return all(map(_fetched_one_by_one, inner.values() if isinstance(inner, dict) else inner))
+    return False
+
+
 def _check_fetch(loader, fetch, assignment):
     if fetch not in ("batch", "sample"):
         raise ValueError(f"fetch should be 'batch' or 'sample', but got fetch={fetch!r}")
@@ -53,6 +68,11 @@ def _check_fetch(loader, fetch, assignment):
         raise ValueError(
             "fetch='sample' assembles batches from samples, but batch_size=None turns off "
             "batching; use fetch='batch'.")
+    if not _fetched_one_by_one(loader.dataset):
+        raise ValueError(
+            "fetch='sample' fetches each sample with dataset[i], but this dataset defines "
+            "__getitems__, which torch's DataLoader calls with a whole batch instead, so the "
+            "batches could differ. Use fetch='batch'.")
     if loader.collate_fn is not default_collate:
         raise ValueError(
             "fetch='sample' writes each sample straight into its row of the batch, which is "

@@ -202,6 +202,7 @@ SCENARIOS = {
     "getitems-w2": (P(D.GetItemsMap, 10), dict(batch_size=4, **W2)),
     "getitems-w0": (P(D.GetItemsMap, 10), dict(batch_size=4)),
     "getitems-nobatch-w2": (P(D.GetItemsMap, 5), dict(batch_size=None, **W2)),
+
     "growing-nobatch-w2": (P(D.GrowingMap, 12), dict(batch_size=None, **W2)),
     "growing-bs1-w2": (P(D.GrowingMap, 12), dict(batch_size=1, **W2)),
     "sparse-nobatch-w2": (P(D.SparseMap, 6), dict(batch_size=None, **W2)),
@@ -772,6 +773,28 @@ def test_sharing_within_a_batch_like_torch(shm_kw):
     for b, (x, y) in enumerate(zip(t.epochs[0], s.epochs[0], strict=True)):
         assert D.sharing(x) == D.sharing(y), f"batch {b}"
         D.assert_same(x, y, f"batch {b} after writing into x")
+
+
+@pytest.mark.parametrize("make", [P(D.IndexMap, 5), P(D.TensorMap, 5)], ids=["tuple", "tensor"])
+def test_explicit_default_collate_without_batching_like_torch(make):
+    """batch_size=None with collate_fn=default_collate: torch calls it on each sample, which
+    fails for these samples; the ring (there from the start) must not collate them instead."""
+    outcomes = []
+    for cls in (TorchDataLoader, P(ShmDataLoader, slot_bytes=1 << 16)):
+        it = iter(cls(make(), batch_size=None, collate_fn=tud.default_collate, num_workers=2))
+        got = []  # each next(): the batch, or the error's type and last line
+        while True:
+            try:
+                got.append(next(it))
+            except StopIteration:
+                break
+            except Exception as e:  # noqa: BLE001 - the exception is what is compared
+                forget(e)
+                got.append((type(e), str(e).strip().splitlines()[-1]))
+        outcomes.append(got)
+    assert any(type(o) is tuple and isinstance(o[0], type) for o in outcomes[0]), \
+        "torch's default_collate accepted every bare sample"
+    D.assert_same(outcomes[0], outcomes[1], "outcomes")
 
 
 # --------------------------------------------------------------------------- shm-only knobs

@@ -100,6 +100,12 @@ SCENARIOS = {
              **W2)),
     "nonpersistent-2ep-w2": (
         P(D.NumericMap, 7), dict(batch_size=3, shuffle=True, generator=gen(2), epochs=2, **W2)),
+    # torch's Subset and StackDataset have __getitems__, which only passes a batch on to
+    # datasets of theirs that have one: over plain datasets, sample by sample is the same
+    "subset-w2": (lambda: tud.Subset(D.NumericMap(12), [11, 0, 5, 3, 7, 2, 9]),
+                  dict(batch_size=3, **W2)),
+    "stack-dataset-w2": (lambda: tud.StackDataset(a=D.IndexMap(9), b=D.NumericMap(9)),
+                         dict(batch_size=4, **W2)),
     # num_workers=0 is torch's own path whatever fetch says
     "w0": (P(D.NumericMap, 7), dict(batch_size=3, shuffle=True, generator=gen(1))),
 }
@@ -360,6 +366,10 @@ INVALID = {
     "custom-collate": (P(D.IndexMap, 6), dict(batch_size=2, num_workers=2, fetch="sample",
                                               collate_fn=D.identity_collate)),
     "bad-fetch": (P(D.IndexMap, 6), dict(batch_size=2, num_workers=2, fetch="samples")),
+    # torch would call __getitems__ with whole batches
+    "getitems": (P(D.GetItemsMap, 6), dict(batch_size=2, num_workers=2, fetch="sample")),
+    "subset-of-getitems": (lambda: tud.Subset(D.GetItemsMap(6), [1, 2, 3]),
+                           dict(batch_size=2, num_workers=2, fetch="sample")),
     "fetch-none": (P(D.IndexMap, 6), dict(batch_size=2, num_workers=2, fetch=None)),
     "bad-assignment": (P(D.IndexMap, 6), dict(batch_size=2, num_workers=2, fetch="sample",
                                               assignment="round-robin")),
