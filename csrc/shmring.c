@@ -438,6 +438,32 @@ int shmring_release(shmring_t *r, uint32_t slot) {
     return transition(r, slot, SHMRING_READING, SHMRING_FREE, memory_order_release);
 }
 
+int shmring_slot_privatize(shmring_t *r, uint32_t slot) {
+    if (slot >= r->hdr->nslots) return -EINVAL;
+    char *data = shmring_slot_data(r, slot);
+    uint64_t n = r->hdr->slot_bytes;
+    void *copy = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (copy == MAP_FAILED) return -errno;
+    memcpy(copy, data, n);
+    /* Moves the copy's pages over the slot's range in one step: no moment
+     * where the address holds nothing. */
+    if (mremap(copy, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, data) == MAP_FAILED) {
+        int err = errno;
+        munmap(copy, n);
+        return -err;
+    }
+    return 0;
+}
+
+int shmring_slot_share(shmring_t *r, uint32_t slot) {
+    if (slot >= r->hdr->nslots) return -EINVAL;
+    uint64_t offset = r->hdr->data_off + (uint64_t)slot * r->hdr->slot_bytes;
+    if (mmap(shmring_slot_data(r, slot), r->hdr->slot_bytes, PROT_READ | PROT_WRITE,
+             MAP_SHARED | MAP_FIXED, r->fd, (off_t)offset) == MAP_FAILED)
+        return -errno;
+    return 0;
+}
+
 static int any_ready(const shmring_t *r) {
     for (uint32_t i = 0; i < r->hdr->nslots; i++)
         if (atomic_load_explicit(&r->slots[i].state, memory_order_seq_cst) == SHMRING_READY)

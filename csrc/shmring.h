@@ -132,6 +132,14 @@ int shmring_acquire(shmring_t *r, uint32_t *slot, uint64_t *seq, uint64_t *meta_
 /* Consumer: READING -> FREE once nothing views the slot any more. */
 int shmring_release(shmring_t *r, uint32_t slot);
 
+/* Consumer, before it forks: replace this process's mapping of a slot it
+ * holds with a private copy of its bytes, at the same address, so that a
+ * forked child keeps what it saw after the slot is reused.  The slot's state
+ * is not touched.  shmring_slot_share maps the segment's slot back there
+ * (before the slot is released: the next batch's bytes arrive through it). */
+int shmring_slot_privatize(shmring_t *r, uint32_t slot);
+int shmring_slot_share(shmring_t *r, uint32_t slot);
+
 /* Consumer: make a CLAIMED slot batch `seq` of `nrows` rows filled by
  * producers; rows below `first_row` (<= nrows) are someone's already
  * (row_claim starts there). */

@@ -17,6 +17,7 @@ import time
 from multiprocessing.reduction import sendfds
 from pickle import PicklingError
 
+from ._fork import forking_own_workers
 from ._worker import WorkerConfig, worker_loop
 
 # Like torch's MP_STATUS_CHECK_INTERVAL: how long shutdown waits for workers
@@ -68,7 +69,8 @@ class WorkerPool:
         config = WorkerConfig(tasks=worker_tasks, results=worker_results, **fields)
         process = ctx.Process(target=worker_loop, args=(config,), daemon=True)
         try:
-            process.start()
+            with forking_own_workers():
+                process.start()
         except (TypeError, AttributeError, PicklingError) as e:
             method = ctx.get_start_method()
             raise type(e)(

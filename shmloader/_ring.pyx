@@ -63,6 +63,13 @@ cdef class Ring:
     cdef public object release_hook
     cdef public object on_destroy
     cdef pid_t _owner  # on_destroy runs only here, never in a forked child
+    cdef set _held     # slots this process's live leases hold
+    cdef set _private  # of those, the ones it holds a private copy of
+    cdef object __weakref__
+
+    def __cinit__(self):
+        self._held = set()
+        self._private = set()
 
     def __dealloc__(self):
         if self.on_destroy is not None and getpid() == self._owner:
@@ -167,6 +174,7 @@ cdef class Ring:
         cdef SlotLease lease = SlotLease.__new__(SlotLease)
         lease._bind(self, slot)
         lease._owner = getpid()
+        self._held.add(slot)
         lease.seq = seq
         lease.meta_off = meta_off
         lease.meta_len = meta_len
@@ -213,7 +221,36 @@ cdef class Ring:
         return tuple(out[i] for i in range(SHMRING_WORKER_COUNTERS))
 
     def release(self, uint32_t slot):
-        _check(shmring_release(self._r, slot), f"releasing slot {slot} (must be READING)")
+        _check(self._give_back(slot), f"releasing slot {slot} (must be READING)")
+
+    cdef int _give_back(self, uint32_t slot):
+        """READING -> FREE, mapping the segment's slot back first if this
+        process held a private copy of it.  If that fails the slot stays
+        READING: this process could not see what a worker writes there."""
+        self._held.discard(slot)
+        cdef int rc
+        if slot in self._private:
+            rc = shmring_slot_share(self._r, slot)
+            if rc < 0:
+                return rc
+            self._private.discard(slot)
+        return shmring_release(self._r, slot)
+
+    def privatize_held(self):
+        """Give this process a private copy of every slot its leases hold
+        (see shmring_slot_privatize): called before a fork, so that a child
+        keeps the batches it inherits, as with torch's shared memory, while
+        their slots are reused here.  Not for a ring pinned with CUDA (its
+        registration covers the shared pages).  Returns the slots copied."""
+        if self.release_hook is not None or getpid() != self._owner:
+            return 0
+        copied = 0
+        for slot in sorted(self._held - self._private):
+            _check(shmring_slot_privatize(self._r, slot),
+                   f"copying slot {slot} before a fork")
+            self._private.add(slot)
+            copied += 1
+        return copied
 
     def memory(self, uint32_t slot):
         """A writable buffer over slot `slot`'s data (producer side)."""
@@ -347,7 +384,7 @@ cdef class SlotLease(SlotMemory):
                     return
                 except Exception:
                     pass  # the hook failed: give the slot back at once
-            shmring_release(self.ring._r, self.slot)
+            self.ring._give_back(self.slot)
 
 
 def copy_stream(SlotMemory dst, uint64_t offset, uint64_t src, uint64_t n):

@@ -8,6 +8,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 
+from . import _fork
 from ._ring import CLAIMED, Ring
 from ._samples import SampleLayout
 
@@ -66,6 +67,12 @@ def create_ring(nslots: int, slot_bytes: int) -> Ring:
     """A new, prefaulted ring that no one else can open and nothing can leave
     behind in /dev/shm: it lives only in the fds the workers receive."""
     _check_limit(nslots, slot_bytes)
+    ring = _create(nslots, slot_bytes)
+    _fork.track(ring)
+    return ring
+
+
+def _create(nslots: int, slot_bytes: int) -> Ring:
     try:
         try:
             return Ring.create_in(SHM_DIR, nslots, slot_bytes)

@@ -72,6 +72,38 @@ def test_kept_batches_outlive_loader_unchanged():
         assert torch.equal(got, want)
 
 
+def _report_first_batch(batch, go, answer):
+    """In a forked child: once the parent has moved on, send back what `batch` holds."""
+    go.wait(HANG)
+    answer.put(batch[0].tolist())  # plain values: no shared memory between the two
+
+
+def test_child_forked_while_batch_held_keeps_it():
+    """A child forked while the training process holds a batch keeps that batch, as with
+    torch's shared memory, while the parent drops it and its slot is refilled; and the
+    parent's own later batches (through that slot, mapped back) are right."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    loader = DataLoader(Images(48), batch_size=4, num_workers=2, slot_bytes=1 << 16, num_slots=4)
+    it = iter(loader)
+    batch = [next(it)]
+    want = batch[0].clone()
+    go, answer = ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=_report_first_batch, args=(batch, go, answer))
+    child.start()
+    del batch
+    rest = list(it)  # 11 batches through 4 slots: the held batch's slot is reused
+    go.set()
+    seen = answer.get(timeout=HANG)
+    child.join(HANG)
+    assert child.exitcode == 0
+    assert seen == want.tolist(), "the child's batch changed when the parent moved on"
+    images = Images(48)
+    for b, got in enumerate(rest, 1):
+        assert torch.equal(got, torch.stack([images[i] for i in range(b * 4, b * 4 + 4)])), b
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_worker_exception_reraised_and_next_epoch_works(context):
     loader = DataLoader(Failing(24, bad=9), batch_size=4, num_workers=2,
