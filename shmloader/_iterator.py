@@ -66,6 +66,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._progress = loader._progress
         self._resume = resume
         self._replay = 0  # batches to fetch again and drop (see _resume_epoch)
+        self._died = None  # the message of the WorkerDied that ended this iterator
         self._skip = set()  # epoch indices not to fetch again (in_order=False resume)
         self._pending_first_draw = None
         if resume is not None:
@@ -356,14 +357,18 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         while self._arrivals:
             _discard(self._arrivals.popleft()[1])
 
+    def _end_on_death(self, error: WorkerDied) -> None:
+        self._died = str(error)
+        self._shutdown_workers(graceful=False)
+
     @contextlib.contextmanager
     def _failing_workers(self):
         """A worker's death ends this iterator: the other workers are stopped
         at once, and the loader's next iter() starts afresh."""
         try:
             yield
-        except WorkerDied:
-            self._shutdown_workers(graceful=False)
+        except WorkerDied as e:
+            self._end_on_death(e)
             raise
 
     # ---- dispatch (torch's rules) -----------------------------------------
@@ -539,14 +544,17 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             _discard(payload)
 
     def _next_data(self):
+        if self._died is not None:
+            raise WorkerDied(f"this DataLoader iterator ended when a worker died: {self._died} "
+                             "iter(loader) starts a new one with fresh workers.")
         try:  # what _failing_workers() does, without a generator per batch
             while self._replay:  # resuming an IterableDataset that cannot say where it was
                 self._replay -= 1
                 with contextlib.suppress(Exception):
                     self._next_batch()
             batch = self._next_batch()
-        except WorkerDied:
-            self._shutdown_workers(graceful=False)
+        except WorkerDied as e:
+            self._end_on_death(e)
             raise
         counters = self._counters
         now = time.perf_counter()

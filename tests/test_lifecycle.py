@@ -144,8 +144,14 @@ def test_worker_exit_names_exit_code():
 def test_worker_death_then_new_epoch_works():
     loader = DataLoader(Dying(64, at=20, signum=int(signal.SIGKILL)), batch_size=2,
                         num_workers=2, persistent_workers=True)
+    it = iter(loader)
     with pytest.raises(WorkerDied):
-        list(loader)
+        list(it)
+    # The iterator stays ended, saying why, on every later next() (torch's goes on timing
+    # out or raising for the dead worker).
+    for _ in range(2):
+        with pytest.raises(WorkerDied, match=r"iterator ended when a worker died: .*SIGKILL"):
+            next(it)
     loader.dataset.at = -1  # the fresh workers of the next epoch do not die
     assert len(list(loader)) == 32
 
