@@ -18,6 +18,7 @@ from multiprocessing.reduction import sendfds
 from pickle import PicklingError
 
 from ._fork import forking_own_workers
+from ._warn import warn
 from ._worker import WorkerConfig, worker_loop
 
 # Like torch's MP_STATUS_CHECK_INTERVAL: how long shutdown waits for workers
@@ -27,6 +28,15 @@ JOIN_TIMEOUT = 5.0
 _FRAME_HEADER = struct.Struct("!i")
 # Above this, Connection writes header and payload apart; leave such messages to it.
 _ONE_WRITE_BYTES = 16384
+
+
+_TORCH_PICKLE_WARNING = (
+    "Got pickle error when attempting to start a worker Process. "
+    "This might be because the worker Process arguments are not picklable. "
+    "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
+    "to 'forkserver', which requires the worker Process arguments to be picklable. "
+    "You can also try multiprocessing.set_start_method('fork')."
+)
 
 
 class WorkerDied(RuntimeError):
@@ -72,6 +82,7 @@ class WorkerPool:
             with forking_own_workers():
                 process.start()
         except (TypeError, AttributeError, PicklingError) as e:
+            warn(_TORCH_PICKLE_WARNING)  # torch's, word for word, before its own error
             method = ctx.get_start_method()
             raise type(e)(
                 f"shmloader could not start DataLoader worker {fields['worker_id']} with "

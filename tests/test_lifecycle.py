@@ -223,8 +223,9 @@ def test_unpicklable_dataset_is_clear_error_and_leaves_nothing(context):
     loader = DataLoader(_Unpicklable(8), batch_size=4, num_workers=2,
                         multiprocessing_context=context)
     children = set(own_children())
-    with pytest.raises((TypeError, AttributeError, pickle.PicklingError)) as e:
-        iter(loader)
+    with pytest.raises((TypeError, AttributeError, pickle.PicklingError)) as e, \
+            pytest.warns(UserWarning, match="Got pickle error when attempting to start a worker"):
+        iter(loader)  # torch's warning too, then the error
     message = str(e.value)
     assert "cannot be pickled" in message and f"multiprocessing_context={context!r}" in message
     assert "multiprocessing_context='fork'" in message
