@@ -157,8 +157,9 @@ class SampleLayout:
         """The leaf as a tensor of field i's dtype and shape."""
         dtype, shape = self.dtypes[i], self.shapes[i]
         if type(leaf) is torch.Tensor and leaf.dtype is dtype and leaf.shape == shape \
-                and leaf.device.type == "cpu" and leaf.layout == torch.strided:
-            return leaf.detach()
+                and leaf.device.type == "cpu" and leaf.layout == torch.strided \
+                and not leaf.requires_grad:
+            return leaf
         got_dtype, got_shape = _leaf_spec(leaf)
         if got_dtype is not dtype or tuple(got_shape) != tuple(shape):
             raise SampleLayoutError(
@@ -167,6 +168,10 @@ class SampleLayout:
                 f"it as {_describe(dtype, shape)}; every sample must match it (use "
                 "fetch='batch' for samples whose shapes or dtypes vary).")
         if isinstance(leaf, torch.Tensor):
+            if leaf.requires_grad:
+                # A worker's default_collate stacks into shared memory with out=,
+                # which autograd refuses: the batch fails with torch's own error.
+                torch.stack([leaf], out=torch.empty((1, *leaf.shape), dtype=leaf.dtype))
             return leaf.detach()
         if isinstance(leaf, (np.ndarray, np.bool_, np.number)):
             return torch.as_tensor(np.ascontiguousarray(leaf))

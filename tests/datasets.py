@@ -191,6 +191,20 @@ def sharing(batch):
     return same_object, reached, float(batch["slice_of_big"].sum())
 
 
+class GradMap(Dataset):
+    """Sample i = float32 [i, i, i]; every fourth, from 1 on, requires grad (a worker's
+    default_collate refuses to stack those into shared memory)."""
+
+    def __init__(self, n=10):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((3,), float(i)).requires_grad_(i % 4 == 1)
+
+
 class GetItemsMap(Dataset):
     """Has __getitems__, which torch's fetcher uses for a whole batch when auto-collating."""
 

@@ -380,6 +380,27 @@ INVALID = {
 }
 
 
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_samples_requiring_grad_fail_their_batch_like_torch(assignment):
+    """torch's workers stack with out= into shared memory, which autograd refuses: the
+    batches holding such a sample raise torch's error, the others arrive."""
+    outcomes = []
+    for cls in (TorchDataLoader, sample_loader(assignment)):
+        got = []  # each next(): the batch, or the error's type and last line
+        it = iter(cls(D.GradMap(10), batch_size=2, num_workers=2))
+        while True:
+            try:
+                got.append(next(it))
+            except StopIteration:
+                break
+            except RuntimeError as e:
+                forget(e)
+                got.append((type(e), str(e).strip().splitlines()[-1]))
+        outcomes.append(got)
+    assert sum(type(o) is tuple for o in outcomes[0]) == 3, outcomes[0]  # samples 1, 5, 9
+    D.assert_same(outcomes[0], outcomes[1], "outcomes")
+
+
 @pytest.mark.parametrize("name", list(INVALID))
 def test_invalid_combination_is_value_error_at_construction(name):
     make_dataset, kw = INVALID[name]
