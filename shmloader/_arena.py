@@ -10,8 +10,9 @@ Sharing is kept as torch's transport keeps it: a leaf that occurs twice is
 placed once (and decoded as one object, see _layout), and tensors that view one storage
 view one copy of the bytes they span together, with their own offsets and
 strides, so in-place writes reach each other.  A tensor alone on its storage
-is copied alone and densely (torch would move its whole storage: all of a
-dataset-sized tensor for a sample sliced from it).
+keeps its strides too (transposed, expanded) when it spans all of it, and is
+otherwise copied alone and densely (torch would move its whole storage: all
+of a dataset-sized tensor for a sample sliced from it).
 """
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ ALIGN = 64  # cache line; also a multiple of every dtype's itemsize
 def _storage_key(leaf: torch.Tensor) -> tuple[int, int]:
     storage = leaf.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
+
+
+def _spans_its_storage(leaf: torch.Tensor) -> bool:
+    """Whether a tensor spans every byte of its storage (a whole tensor, a
+    transposed or an expanded one): its storage's bytes are then copied as
+    they are, keeping its strides as torch's transport does.  A conjugate
+    or negative view's bytes are not its values."""
+    if leaf.numel() == 0 or leaf.is_conj() or leaf.is_neg():
+        return False
+    start, end = _byte_range(leaf)
+    return start == 0 and end >= leaf.untyped_storage().nbytes()
 
 
 def _byte_range(leaf: torch.Tensor) -> tuple[int, int]:
@@ -128,11 +140,11 @@ class Arena:
             return (_layout.NDARRAY, offset, leaf.dtype, view.shape, view.strides)
         if self.owns(leaf):
             leaf_ref = leaf
-        elif _storage_key(leaf) in self._shared:
-            leaf_ref = self._in_shared_copy(leaf)
+        elif _storage_key(leaf) in self._shared or _spans_its_storage(leaf):
+            leaf_ref = self._in_storage_copy(leaf)
         else:
-            # Alone: the layout torch's pickling would keep (channels_last
-            # stays channels_last), without the storage's other bytes.
+            # A part of its storage, alone: densely, in the layout torch's
+            # pickling would keep (channels_last stays channels_last).
             stride = torch.empty_like(leaf, device="meta").stride()
             copy = self.tensor(leaf.dtype, leaf.shape, stride)
             with torch.no_grad():
@@ -143,11 +155,11 @@ class Arena:
         return (_layout.TENSOR, offset, leaf.dtype, tuple(leaf.shape), stride,
                 _layout.span_elements(leaf.shape, stride), leaf.requires_grad)
 
-    def _in_shared_copy(self, leaf: torch.Tensor) -> torch.Tensor:
+    def _in_storage_copy(self, leaf: torch.Tensor) -> torch.Tensor:
         """`leaf` as a view, with its own strides, of the slot's one copy of
         the bytes that its storage's views span (copied at the first)."""
         key = _storage_key(leaf)
-        first, end = self._shared[key]
+        first, end = self._shared.get(key) or _byte_range(leaf)
         base = self._copies.get(key)
         if base is None:
             base = self._copies[key] = self._alloc(end - first)

@@ -181,6 +181,14 @@ def aliasing_collate(batch):
             "expanded": x[:1].expand(4, -1), "slice_of_big": big[:3], "again": [x, big[:3]]}
 
 
+def strided_collate(batch):
+    """For IndexMap samples: tensors alone on their storages that span all of it but are not
+    contiguous, and one that is a gappy part of a larger storage."""
+    x = torch.stack([s[1] for s in batch])
+    return {"transposed": x.t(), "expanded": torch.tensor([1.0, 2.0]).expand(3, 2),
+            "gappy": torch.arange(12.0)[::3]}
+
+
 def sharing(batch):
     """What aliases what in an aliasing_collate batch, and whether in-place writes reach
     each other: the facts torch's transport keeps."""

@@ -797,6 +797,20 @@ def test_explicit_default_collate_without_batching_like_torch(make):
     D.assert_same(outcomes[0], outcomes[1], "outcomes")
 
 
+def test_strides_of_tensors_spanning_their_storage_like_torch():
+    """A transposed or expanded tensor that spans all of its storage keeps its strides (an
+    expanded one stays unwritable in place, as torch's); a gappy part of a larger storage
+    arrives dense, with the same values (documented: its storage is not copied whole)."""
+    t = run(TorchDataLoader, P(D.IndexMap, 12), batch_size=3, collate_fn=D.strided_collate, **W2)
+    s = run(P(ShmDataLoader, slot_bytes=1 << 16), P(D.IndexMap, 12), batch_size=3,
+            collate_fn=D.strided_collate, **W2)
+    assert_results_same(t, s)
+    for b, (x, y) in enumerate(zip(t.epochs[0], s.epochs[0], strict=True)):
+        for key in ("transposed", "expanded"):
+            assert x[key].stride() == y[key].stride(), f"batch {b} {key}"
+        assert y["gappy"].is_contiguous()
+
+
 # --------------------------------------------------------------------------- shm-only knobs
 @pytest.mark.parametrize(
     "shm_kw",
