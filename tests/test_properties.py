@@ -319,7 +319,7 @@ def test_default_collate_matches_torch(spec, seed, n, batch_size, num_workers, s
 
 # =========================================================================== (b) decoder fuzz
 FUZZ_SLOT_BYTES = 1 << 20
-# More examples for a longer hunt: SHMLOADER_FUZZ_EXAMPLES=5000.
+# More examples for a longer hunt: see tests/conftest.py.
 FUZZ_EXAMPLES = int(os.environ.get("SHMLOADER_FUZZ_EXAMPLES", "300"))
 CHILD_TIMEOUT_S = 60
 CHILD_MEMORY_HEADROOM = 2 << 30  # a decoded garbage shape may ask for any amount of memory
