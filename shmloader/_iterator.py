@@ -186,11 +186,13 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         batch's result)."""
         capacity = self._batch_size or len(index)
         self._pool.broadcast(("probe", task_id, index, epoch, position, capacity))
+        earlier = []  # results of tasks sent before this one (an empty batch's)
         while True:
             arrived, payload = self._next_arrival()
             if arrived == task_id:
                 break
-            _discard(payload)
+            earlier.append((arrived, payload))
+        self._arrivals.extendleft(reversed(earlier))
         if _kind(payload) == "error":
             return payload
         layout = payload[2]
@@ -422,14 +424,16 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         before there was a layout)."""
         epoch = self._epoch
         first_row = 0
-        if self._fetch == "sample" and self._options.sample_layout is None:
+        # An empty batch (a batch_sampler's) has no rows: one worker collates
+        # it whole, failing as torch's collate does.
+        rows = self._fetch == "sample" and len(index) > 0
+        if rows and self._options.sample_layout is None:
             error = self._learn_layout(task_id, index, epoch, position)
             if error is not None:
                 return error
             first_row = len(index)  # every row is the worker's that fetched it already
         slot = self._claim_slot()
-        if self._fetch == "sample" and slot >= 0 and \
-                len(index) <= self._options.sample_layout.capacity:
+        if rows and slot >= 0 and len(index) <= self._options.sample_layout.capacity:
             self._ring.rows_begin(slot, task_id, len(index), first_row)
             self._pool.broadcast(("rows", task_id, slot, index, epoch, position, first_row))
         else:
