@@ -341,7 +341,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
 
     def _resume_workers(self, rewind) -> None:
         """Start persistent workers on a new epoch, dropping the old one's
-        results (a worker skips tasks a resume has made stale).  `rewind`:
+        results (a worker computes the old tasks still queued before the
+        resume, as torch's do, so that the RNG draws match).  `rewind`:
         the number of an epoch whose prefetched batches are dropped; workers
         that fetched some go back to their RNG state from before them."""
         for i in range(self._num_workers):

@@ -108,7 +108,10 @@ class WorkerConfig:
 
 class _Inbox:
     """Messages from the main process, read ahead so that tasks made stale by
-    a later resume or exit are skipped instead of computed.
+    a later exit are skipped instead of computed.  (Tasks made stale by a
+    new epoch of persistent workers are computed and dropped, as torch's
+    workers do: what they draw from the RNGs is part of the next epoch's
+    augmentations.)
 
     Waiting also watches the main process itself: a pidfd (readable once it
     has exited) where the kernel has them, else a check every
@@ -172,8 +175,8 @@ class _Inbox:
         return self._pending.popleft()
 
     def superseded(self) -> bool:
-        """True when a resume or exit is already queued behind the current task."""
-        return any(m is None or m[0] == "resume" for m in self._pending)
+        """True when an exit is already queued behind the current task."""
+        return any(m is None for m in self._pending)
 
 
 def _seed(cfg: WorkerConfig) -> int:
