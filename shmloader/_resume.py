@@ -77,6 +77,12 @@ def plain_worker_state(snapshot) -> dict | None:
     }
 
 
+def _rng_only(snapshot) -> dict | None:
+    """A worker state without its dataset's state."""
+    state = plain_worker_state(snapshot)
+    return state if state is None or state["dataset"] is None else {**state, "dataset": None}
+
+
 def restore_worker_rng(state: dict) -> None:
     """Set this worker's random, numpy and torch RNGs from a plain worker state."""
     r, n = state["random"], state["numpy"]
@@ -129,8 +135,16 @@ class Progress:
         self.torch_rng_state = torch.get_rng_state()
         self.sampler_state = sampler_state
         self.next_start = None
-        if len(self.worker_states) != num_workers:
+        # Workers started for this epoch alone are seeded afresh from its base
+        # seed: the previous epoch's workers' states are not theirs.
+        fresh_workers = base_seed is not None and not loader.persistent_workers
+        if len(self.worker_states) != num_workers or fresh_workers:
             self.worker_states = [None] * num_workers
+        else:
+            # Workers that go on keep their RNGs, but an IterableDataset starts
+            # the epoch afresh (a new iter()): its state from the last epoch's
+            # end is not where a worker stands before its first batch.
+            self.worker_states = [_rng_only(s) for s in self.worker_states]
         self.epoch_start_worker_states = list(self.worker_states)
 
     def begin_like(self, other: "Progress") -> None:

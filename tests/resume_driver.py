@@ -285,11 +285,12 @@ for _n, _s in SCENARIOS.items():
 
 
 def epoch_points(epoch, length):
-    """The interrupt points taken in `epoch` (every one in epoch 0, a few in epoch 1)."""
+    """The interrupt points taken in `epoch` (every one in epoch 0, a few in epoch 1: k=1
+    with 2 workers is before worker 1 yielded anything of the epoch)."""
     if epoch == 0:
         return [f"e0k{k}" for k in range(length + 1)] + ["end0"]
     if epoch == 1:
-        return ["e1k2", f"e1k{length}", "end1"]
+        return ["e1k1", "e1k2", f"e1k{length}", "end1"]
     return []
 
 

@@ -51,6 +51,11 @@ commit 0455b9e):
     flight up to prefetch_factor * num_workers without counting results that have already
     arrived; yielding one of those calls _try_put_index at the limit.  Not specific to
     resuming (intermittent in a plain 4-epoch run), but a resume triggers it every time.
+  * *_w2 (not persistent) at e1k1, found by an independent check: worker 1 had yielded
+    nothing of epoch 1, and the state held its epoch-0 worker's RNG states (Progress.
+    epoch_begins kept them), not a fresh worker's: its first batch's augmentations differed.
+  * iterable_stateful_w2_persistent at e1k1: likewise, worker 1's state held its dataset's
+    state from the end of epoch 0, so the resumed worker started its shard at the end.
   * iterable_stateful_* at e0k0: the replay warning (that the dataset lacks state_dict())
     although it has one; the replay warning also points into shmloader/_iterator.py.
 """
