@@ -36,7 +36,7 @@ from array import array
 import numpy as np
 import torch
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the config names the sampler and batch sampler
 # Room kept at the end of every slot for the worker state its batch carries
 # (about 10 KB of RNG states, plus an IterableDataset's state), so that it
 # never makes a batch spill.
@@ -205,7 +205,42 @@ def _config(loader) -> dict:
         "num_workers": loader.num_workers,
         "fetch": loader.fetch,
         "iterable": loader._dataset_kind == 1,
+        # shuffle=True's state resumed in order (or the reverse) would be wrong.
+        "sampler": type(loader.sampler).__name__,
+        "batch_sampler": type(loader.batch_sampler).__name__,
     }
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _worker_states(value) -> bool:
+    """A list of plain worker states: a dataset's state, with RNG states or (the
+    main process's, without workers) none."""
+    return isinstance(value, list) and all(
+        s is None or isinstance(s, dict) and "dataset" in s
+        and ("random" in s) == ("numpy" in s) == ("torch" in s)
+        for s in value)
+
+
+# What each field of a state must be: (description, test).
+_FIELDS = {
+    "config": ("a dict", lambda v: isinstance(v, dict)),
+    "epoch": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "epoch_finished": ("a bool", lambda v: isinstance(v, bool)),
+    "batches_yielded": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "batches_yielded_beyond": ("a list of ints",
+                               lambda v: isinstance(v, list) and all(map(_is_int, v))),
+    "base_seed": ("an int or None", lambda v: v is None or _is_int(v)),
+    "generator_state": ("a tensor or None", lambda v: v is None or isinstance(v, torch.Tensor)),
+    "torch_rng_state": ("a tensor or None", lambda v: v is None or isinstance(v, torch.Tensor)),
+    "sampler_started": ("a bool", lambda v: isinstance(v, bool)),
+    "sampler_state": ("anything", lambda v: True),
+    "worker_states": ("a list of worker states or None", _worker_states),
+    "epoch_start_worker_states": ("a list of worker states or None", _worker_states),
+    "persistent_workers": ("a bool", lambda v: isinstance(v, bool)),
+}
 
 
 def state_dict(loader, progress: Progress) -> dict:
@@ -248,6 +283,13 @@ def check_state(loader, state) -> dict:
     if state["version"] != STATE_VERSION:
         raise ValueError(f"this state has version {state['version']}; this shmloader reads "
                          f"version {STATE_VERSION}")
+    for key, (what, fits) in _FIELDS.items():
+        if key not in state:
+            raise ValueError(f"this state has no {key!r}: load_state_dict expects a dict made "
+                             "by shmloader's DataLoader.state_dict(), unchanged")
+        if not fits(state[key]):
+            raise ValueError(f"this state's {key!r} should be {what}, but it is "
+                             f"{state[key]!r:.200}; was it changed after state_dict()?")
     ours = _config(loader)
     theirs = state["config"]
     differ = [k for k in ours if theirs.get(k) != ours[k] and not (

@@ -376,6 +376,8 @@ MISMATCHES = {
     "fetch": (dict(batch_size=4, num_workers=2), dict(batch_size=4, num_workers=2,
                                                       fetch="sample")),
     "num_workers": (dict(batch_size=4, num_workers=2), dict(batch_size=4, num_workers=1)),
+    "sampler": (dict(batch_size=4, shuffle=True), dict(batch_size=4)),
+    "batch_sampler": (dict(batch_size=4), dict(batch_sampler=[[0, 1, 2, 3]] * 3)),
 }
 
 
@@ -405,7 +407,7 @@ def test_num_workers_may_differ_with_seed_per_sample():
     loader.load_state_dict(state)  # no error; resumed results: sample_seeded_w2_resumed_w1
 
 
-@pytest.mark.parametrize("version", [0, 2, 99, None, "1"])
+@pytest.mark.parametrize("version", [0, 1, 3, 99, None, "2"])
 def test_wrong_version_raises(version):
     state = _mid_epoch_state(lambda: _map_loader(batch_size=4))
     state["version"] = version
@@ -417,6 +419,26 @@ def test_wrong_version_raises(version):
 def test_not_a_state_raises(bad):
     with pytest.raises(ValueError):
         _map_loader(batch_size=4).load_state_dict(bad)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("config", None), ("epoch", -1), ("epoch", "0"), ("epoch_finished", 1),
+    ("batches_yielded", "x"), ("batches_yielded_beyond", None), ("base_seed", "s"),
+    ("generator_state", [1]), ("worker_states", None), ("worker_states", [{"random": 1}]),
+    ("epoch_start_worker_states", 3), ("persistent_workers", None), ("sampler_started", None),
+    ("epoch", None), ("config", "missing"), ("worker_states", "missing"),
+])
+def test_malformed_state_is_value_error_naming_the_field(key, value):
+    """A state edited or built by hand fails in load_state_dict, naming the field, never
+    later (in iter(), or as a worker's death)."""
+    state = _mid_epoch_state(lambda: _map_loader(batch_size=4, num_workers=2))
+    if value == "missing":
+        del state[key]
+    else:
+        state[key] = value
+    loader = _map_loader(batch_size=4, num_workers=2)
+    with pytest.raises(ValueError, match=repr(key)):
+        loader.load_state_dict(state)
 
 
 def test_load_into_a_used_persistent_loader(matrix):
