@@ -56,6 +56,7 @@ sleeps and exits): a module fixture starts every selected scenario in test order
 each test judges its own.  Set KILL_MATRIX_REPORT=<path> to append one JSON line of
 figures per scenario (exit and gone times, the error's delay, wall time).
 """
+import errno
 import json
 import os
 import signal
@@ -154,10 +155,20 @@ def _read(path):
 
 def _start(workdir, *args):
     cmd = [sys.executable, "-m", "tests.kill_driver", *map(str, args)]
-    with open(workdir / "out", "wb") as out, open(workdir / "err", "wb") as err:
-        # A session of its own: signals for its group reach the driver and its
-        # workers only, and cleanup can kill the whole group.
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, start_new_session=True)
+    for attempt in range(2):
+        with open(workdir / "out", "wb") as out, open(workdir / "err", "wb") as err:
+            # A session of its own: signals for its group reach the driver and its
+            # workers only, and cleanup can kill the whole group.
+            try:
+                return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err,
+                                        start_new_session=True)
+            except OSError as e:
+                # Once in CI, starting the driver (vfork + exec of the interpreter, from
+                # this module's thread pool) failed with EFAULT on sys.executable, before
+                # any shmloader code ran in it; not in three reruns of this module.  Nothing
+                # started, so one more try is safe; anything else is the test's failure.
+                if e.errno != errno.EFAULT or attempt:
+                    raise
 
 
 def _kill_all(proc, pids):
