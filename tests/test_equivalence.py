@@ -113,6 +113,23 @@ def assert_results_same(t, s, ordered=True):
     assert not missing, f"warnings torch emitted but shm did not: {missing}"
 
 
+def each_next(loader, epochs=1):
+    """What each next() of `epochs` epochs gave: the batch, or the error's type and last
+    line (later batches still come after an error, as in torch)."""
+    got = []
+    for _ in range(epochs):
+        it = iter(loader)
+        while True:
+            try:
+                got.append(next(it))
+            except StopIteration:
+                break
+            except Exception as e:  # noqa: BLE001 - the error is what is compared
+                forget(e)
+                got.append((type(e), str(e).strip().splitlines()[-1]))
+    return got
+
+
 def check(make_dataset, ordered=True, **kw):
     t, s = both(make_dataset, **kw)
     assert_results_same(t, s, ordered=ordered)
@@ -780,19 +797,9 @@ def test_sharing_within_a_batch_like_torch(shm_kw):
 def test_explicit_default_collate_without_batching_like_torch(make):
     """batch_size=None with collate_fn=default_collate: torch calls it on each sample, which
     fails for these samples; the ring (there from the start) must not collate them instead."""
-    outcomes = []
-    for cls in (TorchDataLoader, P(ShmDataLoader, slot_bytes=1 << 16)):
-        it = iter(cls(make(), batch_size=None, collate_fn=tud.default_collate, num_workers=2))
-        got = []  # each next(): the batch, or the error's type and last line
-        while True:
-            try:
-                got.append(next(it))
-            except StopIteration:
-                break
-            except Exception as e:  # noqa: BLE001 - the exception is what is compared
-                forget(e)
-                got.append((type(e), str(e).strip().splitlines()[-1]))
-        outcomes.append(got)
+    outcomes = [each_next(cls(make(), batch_size=None, collate_fn=tud.default_collate,
+                              num_workers=2))
+                for cls in (TorchDataLoader, P(ShmDataLoader, slot_bytes=1 << 16))]
     assert any(type(o) is tuple and isinstance(o[0], type) for o in outcomes[0]), \
         "torch's default_collate accepted every bare sample"
     D.assert_same(outcomes[0], outcomes[1], "outcomes")

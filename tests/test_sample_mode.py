@@ -29,6 +29,7 @@ from tests.test_equivalence import (
     SEED,
     Fresh,
     assert_results_same,
+    each_next,
     forget,
     gen,
     run,
@@ -380,28 +381,12 @@ INVALID = {
 }
 
 
-def _outcomes(loader, epochs=1):
-    """Each next() of `epochs` epochs: the batch, or the error's type and last line."""
-    got = []
-    for _ in range(epochs):
-        it = iter(loader)
-        while True:
-            try:
-                got.append(next(it))
-            except StopIteration:
-                break
-            except Exception as e:  # noqa: BLE001 - the error is what is compared
-                forget(e)
-                got.append((type(e), str(e).strip().splitlines()[-1]))
-    return got
-
-
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_samples_requiring_grad_fail_their_batch_like_torch(assignment):
     """torch's workers stack with out= into shared memory, which autograd refuses: the
     batches holding such a sample raise torch's error, the others arrive."""
-    want = _outcomes(TorchDataLoader(D.GradMap(10), batch_size=2, num_workers=2))
-    got = _outcomes(sample_loader(assignment)(D.GradMap(10), batch_size=2, num_workers=2))
+    want = each_next(TorchDataLoader(D.GradMap(10), batch_size=2, num_workers=2))
+    got = each_next(sample_loader(assignment)(D.GradMap(10), batch_size=2, num_workers=2))
     assert sum(type(o) is tuple for o in want) == 3, want  # samples 1, 5, 9
     D.assert_same(want, got, "outcomes")
 
@@ -412,8 +397,8 @@ def test_empty_batch_fails_alone_like_torch(batches):
     """A batch_sampler's empty batch raises collate's IndexError for that batch only (the
     ring's rows need a sample; one worker collates it whole, as torch's)."""
     kw = dict(batch_sampler=batches, num_workers=2)
-    want = _outcomes(TorchDataLoader(D.IndexMap(10), **kw), epochs=2)
-    got = _outcomes(sample_loader("dynamic")(D.IndexMap(10), slot_bytes=1 << 16, **kw), epochs=2)
+    want = each_next(TorchDataLoader(D.IndexMap(10), **kw), epochs=2)
+    got = each_next(sample_loader("dynamic")(D.IndexMap(10), slot_bytes=1 << 16, **kw), epochs=2)
     assert sum(type(o) is tuple for o in want) == 2, want
     D.assert_same(want, got, "outcomes")
 
