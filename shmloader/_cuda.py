@@ -167,4 +167,13 @@ def check_device(device):
         raise ValueError(f"device={str(device)!r}, but CUDA is not available here "
                          "(torch.cuda.is_available() is False); leave device=None to get "
                          "CPU batches.")
+    if device.type == "meta":
+        raise ValueError("device='meta' would deliver tensors without data; leave "
+                         "device=None to get CPU batches.")
+    if device.type not in ("cpu", "cuda"):
+        try:  # another accelerator: fail here, not at every batch
+            torch.empty(0, device=device)
+        except (AssertionError, RuntimeError) as e:
+            raise ValueError(f"device={str(device)!r} is not usable here ({e}); leave "
+                             "device=None to get CPU batches.") from None
     return device

@@ -163,6 +163,16 @@ def test_cuda_device_without_cuda_is_a_clear_error():
         shmloader.DataLoader(range(4), device="cuda")
 
 
+@pytest.mark.parametrize("device", ["meta", "xpu", "mps"])
+def test_device_without_data_or_backend_is_a_clear_error(device):
+    """Refused at construction, not failed at every batch."""
+    backend = getattr(torch, device, None)
+    if device != "meta" and backend is not None and backend.is_available():
+        pytest.skip(f"{device} is here")
+    with pytest.raises(ValueError, match=f"device='{device}'"):
+        shmloader.DataLoader(range(4), device=device)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_cpu_device_yields_torchs_batches(num_workers):
     ds = TensorDataset(torch.randn(20, 3, 4), torch.arange(20))
