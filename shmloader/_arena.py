@@ -36,12 +36,17 @@ def _storage_key(leaf: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
+def _bytes_are_values(leaf: torch.Tensor) -> bool:
+    """Whether copying the storage bytes a tensor spans copies its values: not
+    for an empty one, nor a conjugate or negative view (lazy bits)."""
+    return leaf.numel() > 0 and not leaf.is_conj() and not leaf.is_neg()
+
+
 def _spans_its_storage(leaf: torch.Tensor) -> bool:
     """Whether a tensor spans every byte of its storage (a whole tensor, a
     transposed or an expanded one): its storage's bytes are then copied as
-    they are, keeping its strides as torch's transport does.  A conjugate
-    or negative view's bytes are not its values."""
-    if leaf.numel() == 0 or leaf.is_conj() or leaf.is_neg():
+    they are, keeping its strides as torch's transport does."""
+    if not _bytes_are_values(leaf):
         return False
     start, end = _byte_range(leaf)
     return start == 0 and end >= leaf.untyped_storage().nbytes()
@@ -113,8 +118,8 @@ class Arena:
         views = {}
 
         def note(leaf):
-            if isinstance(leaf, torch.Tensor) and leaf.numel() and not self.owns(leaf) \
-                    and not leaf.is_conj() and not leaf.is_neg():
+            if isinstance(leaf, torch.Tensor) and _bytes_are_values(leaf) \
+                    and not self.owns(leaf):
                 views.setdefault(_storage_key(leaf), {})[id(leaf)] = leaf
             return ("noted",)
 
@@ -159,12 +164,13 @@ class Arena:
         """`leaf` as a view, with its own strides, of the slot's one copy of
         the bytes that its storage's views span (copied at the first)."""
         key = _storage_key(leaf)
-        first, end = self._shared.get(key) or _byte_range(leaf)
+        own = _byte_range(leaf)
+        first, end = self._shared.get(key, own)
         base = self._copies.get(key)
         if base is None:
             base = self._copies[key] = self._alloc(end - first)
             copy_stream(self._memory, base, key[0] + first, end - first)
-        start = base + _byte_range(leaf)[0] - first
+        start = base + own[0] - first
         return torch.empty((0,), dtype=leaf.dtype).set_(
             self._storage, start // leaf.dtype.itemsize, leaf.shape, leaf.stride())
 

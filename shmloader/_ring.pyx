@@ -241,16 +241,13 @@ cdef class Ring:
         (see shmring_slot_privatize): called before a fork, so that a child
         keeps the batches it inherits, as with torch's shared memory, while
         their slots are reused here.  Not for a ring pinned with CUDA (its
-        registration covers the shared pages).  Returns the slots copied."""
+        registration covers the shared pages)."""
         if self.release_hook is not None or getpid() != self._owner:
-            return 0
-        copied = 0
+            return
         for slot in sorted(self._held - self._private):
             _check(shmring_slot_privatize(self._r, slot),
                    f"copying slot {slot} before a fork")
             self._private.add(slot)
-            copied += 1
-        return copied
 
     def memory(self, uint32_t slot):
         """A writable buffer over slot `slot`'s data (producer side)."""
