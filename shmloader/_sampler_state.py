@@ -21,15 +21,21 @@ is not private: see the README.
 from __future__ import annotations
 
 import torch
+from torch.utils.data import Sampler
 
 _PRIMITIVES = (int, float, str, bool, bytes, type(None))
 
 
 def _samplers(loader):
+    """The loader's sampler and batch_sampler, and samplers they hold (a
+    BatchSampler's sampler), each once."""
     seen = []
-    for obj in (loader.sampler, loader.batch_sampler):
+    todo = [loader.sampler, loader.batch_sampler]
+    while todo:
+        obj = todo.pop(0)
         if obj is not None and all(obj is not s for s in seen):
             seen.append(obj)
+            todo += [v for v in getattr(obj, "__dict__", {}).values() if isinstance(v, Sampler)]
     return seen
 
 
@@ -40,6 +46,12 @@ def _generators(loader):
             if isinstance(value, torch.Generator) and all(value is not g for g in found):
                 found.append(value)
     return found
+
+
+def generator_states(loader):
+    """(generator, its state now) for every torch.Generator the loader and its
+    samplers hold: what workers forked now would find in them."""
+    return [(g, g.get_state()) for g in _generators(loader)]
 
 
 def _value(value):

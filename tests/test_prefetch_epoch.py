@@ -108,6 +108,25 @@ def test_distributed_sampler_set_epoch_each_epoch_adopted():
     assert stats.prefetched_epochs == 2
 
 
+def test_batch_sampler_over_distributed_sampler_set_epoch_each_epoch():
+    """set_epoch(e) on a DistributedSampler that a BatchSampler holds: the prefetch sets and
+    checks the inner sampler's epoch too, so epoch e is drawn with e, not with e - 1."""
+    def epochs(cls):
+        inner = distributed(N)
+        loader = cls(D.IndexMap(N), batch_sampler=tud.BatchSampler(inner, BS, False),
+                     num_workers=2, persistent_workers=True)
+        out = []
+        for e in range(3):
+            inner.set_epoch(e)
+            out.append(list(loader))
+        return out, loader
+
+    expected, _ = epochs(TorchDataLoader)
+    got, loader = epochs(prefetching())
+    D.assert_same(expected, got, "epochs")
+    assert loader.stats().prefetched_epochs == 2
+
+
 def test_custom_sampler_with_set_epoch_adopted():
     stats = check(sampler=P(D.EpochRandomSampler, N, 2), on_epoch=lambda e, g, s: s.set_epoch(e))
     assert stats.prefetched_epochs == 2
