@@ -56,6 +56,21 @@ class JitterMap(IndexMap):
         return super().__getitem__(i)
 
 
+class GeneratorMap(Dataset):
+    """Each sample draws from a torch.Generator the dataset shares with the loader or its
+    sampler: each worker draws from its own copy, taken when the worker was started."""
+
+    def __init__(self, n, generator):
+        self.n = n
+        self.generator = generator
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.rand(2, generator=self.generator), i
+
+
 class RNGMap(Dataset):
     """Each sample draws from `random`, torch and numpy global RNGs and reports get_worker_info()."""
 

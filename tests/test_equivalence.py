@@ -707,6 +707,24 @@ ATTR_CASES = {
 }
 
 
+@pytest.mark.parametrize("where", ["loader", "batch-sampler"])
+def test_dataset_sharing_the_samplers_generator(where):
+    """Workers start as they are sent their first task, so the sampler has drawn from its
+    generator before worker 1 is forked. A dataset holding that generator must still find
+    it, in every worker, as torch's workers do: as it was before the epoch's first draw."""
+    def make(cls):
+        generator = torch.Generator().manual_seed(5)
+        dataset = D.GeneratorMap(24, generator)
+        if where == "loader":
+            return cls(dataset, batch_size=4, shuffle=True, generator=generator, num_workers=3)
+        sampler = tud.RandomSampler(dataset, generator=generator)
+        return cls(dataset, batch_sampler=tud.BatchSampler(sampler, 4, False), num_workers=3)
+
+    torch_loader, shm_loader = make(TorchDataLoader), make(ShmDataLoader)
+    expected = [list(torch_loader) for _ in range(2)]
+    D.assert_same(expected, [list(shm_loader) for _ in range(2)], "epochs")
+
+
 @pytest.mark.parametrize("name", list(ATTR_CASES))
 def test_public_attributes_match(name):
     make_dataset, kw = ATTR_CASES[name]

@@ -104,6 +104,38 @@ def test_child_forked_while_batch_held_keeps_it():
         assert torch.equal(got, torch.stack([images[i] for i in range(b * 4, b * 4 + 4)])), b
 
 
+def test_each_worker_starts_with_its_first_task(monkeypatch):
+    """Worker 0 is sent its first task before worker 1 is forked, so that it works while the
+    training process forks the next one (milliseconds each); the ring, when one exists
+    already, reaches each worker first; every worker is running once iter() returns, even
+    one that has no task (torch starts them all)."""
+    from shmloader import _pool
+
+    events = []
+    start, write = _pool.WorkerPool._start, _pool.WorkerPool._write
+
+    def logged_start(self, ctx, fields):
+        events.append(("start", fields["worker_id"]))
+        start(self, ctx, fields)
+
+    def logged_write(self, worker_id, data, fds=None):
+        events.append((pickle.loads(data)[0], worker_id))
+        write(self, worker_id, data, fds)
+
+    monkeypatch.setattr(_pool.WorkerPool, "_start", logged_start)
+    monkeypatch.setattr(_pool.WorkerPool, "_write", logged_write)
+    loader = DataLoader(list(range(4)), batch_size=2, num_workers=3, prefetch_factor=1)
+    for epoch in range(2):  # the second iterator has the first one's ring from the start
+        events.clear()
+        it = iter(loader)
+        assert len(it._pool.pids) == 3
+        first = [("start", 0), ("task", 0), ("start", 1), ("task", 1), ("start", 2)]
+        if epoch:
+            first = [e for w in range(3) for e in (("start", w), ("ring", w), ("task", w))][:-1]
+        assert events == first
+        assert [b.tolist() for b in it] == [[0, 1], [2, 3]]
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_worker_exception_reraised_and_next_epoch_works(context):
     loader = DataLoader(Failing(24, bad=9), batch_size=4, num_workers=2,
