@@ -7,8 +7,11 @@ soon as the parent's views of it are gone, so before any fork the parent
 swaps the slots it holds for private copies at the same addresses; the child
 inherits those, and each slot is mapped back when the parent releases it.
 
-shmloader's own workers never read the batches their parent holds, so forking
-them skips the copies (they would delay every epoch's start).
+A loader forking its own workers skips the copies of its own ring's slots: its
+workers write that ring, they do not read what the parent holds of it, and the
+copies would delay every epoch's start (the last batch of the previous epoch is
+usually still held).  Other rings' held slots are copied: another loader's
+batches may be what this loader's dataset reads.
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ import weakref
 from ._warn import warn
 
 _consumer_rings: weakref.WeakSet = weakref.WeakSet()
-_forking = threading.local()  # .own_workers: this thread is starting shmloader's workers
+_forking = threading.local()  # .own_ring: the ring of the loader this thread forks workers of
+_NOT_FORKING_WORKERS = object()
 
 
 def track(ring) -> None:
@@ -29,18 +33,21 @@ def track(ring) -> None:
 
 
 @contextlib.contextmanager
-def forking_own_workers():
-    _forking.own_workers = True
+def forking_own_workers(own_ring):
+    """Forks in this block start the workers of the loader whose ring is
+    `own_ring` (None before it has one)."""
+    _forking.own_ring = own_ring
     try:
         yield
     finally:
-        _forking.own_workers = False
+        _forking.own_ring = _NOT_FORKING_WORKERS
 
 
 def _before_fork() -> None:
-    if getattr(_forking, "own_workers", False):
-        return
+    own_ring = getattr(_forking, "own_ring", _NOT_FORKING_WORKERS)
     for ring in list(_consumer_rings):
+        if ring is own_ring:
+            continue
         try:
             ring.privatize_held()
         except OSError as e:

@@ -177,6 +177,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                     self._counters.warned_register = True
                     warn(f"shmloader: could not pin the ring's memory with CUDA ({failure}); "
                           "batches are pinned by torch's copy instead.")
+        self._pool.ring = self._ring
         self._pool.send_ring(self._ring)
         if self._fetch == "sample":
             self._pool.broadcast(("layout", self._options.sample_layout), setup=True)

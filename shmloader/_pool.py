@@ -75,6 +75,7 @@ class WorkerPool:
         self._conn_of_fd = {}
         self._sentinels = {}
         self.wait_fds = []
+        self.ring = None  # the iterator's ring: forks here need not copy its held slots
 
     def start_all(self) -> None:
         self._ensure_started(len(self._configs) - 1)
@@ -102,7 +103,7 @@ class WorkerPool:
         config = WorkerConfig(tasks=worker_tasks, results=worker_results, **fields)
         process = ctx.Process(target=worker_loop, args=(config,), daemon=True)
         try:
-            with forking_own_workers():
+            with forking_own_workers(self.ring):
                 process.start()
         except (TypeError, AttributeError, PicklingError) as e:
             warn(_TORCH_PICKLE_WARNING)  # torch's, word for word, before its own error

@@ -104,6 +104,39 @@ def test_child_forked_while_batch_held_keeps_it():
         assert torch.equal(got, torch.stack([images[i] for i in range(b * 4, b * 4 + 4)])), b
 
 
+class _Cached(torch.utils.data.Dataset):
+    """Items are copies of the batches in `holder` (a list), read in the worker."""
+
+    def __init__(self, holder):
+        self.holder = holder
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return self.holder[i].clone()
+
+
+def test_other_loaders_workers_keep_the_batches_held_when_forked():
+    """Loader B's workers are forked while the training process holds batches of loader A
+    (a cache B's dataset reads). They keep those batches, as torch's shared memory would,
+    while the parent drops them and A refills their slots."""
+    a = DataLoader(Images(48), batch_size=4, num_workers=2, slot_bytes=1 << 16, num_slots=4,
+                   persistent_workers=True)
+    it = iter(a)
+    holder = [next(it), next(it)]
+    want = [batch.clone() for batch in holder]
+    del it
+    b = DataLoader(_Cached(holder), batch_size=None, num_workers=1, persistent_workers=True)
+    assert all(torch.equal(x, y) for x, y in zip(b, want))  # B's worker is forked here
+    holder.clear()
+    for _ in range(2):
+        for _ in a:  # 12 batches an epoch through A's 4 slots
+            pass
+    got = list(b)
+    assert all(torch.equal(x, y) for x, y in zip(got, want)), "B's worker saw A's later batches"
+
+
 def test_each_worker_starts_with_its_first_task(monkeypatch):
     """Worker 0 is sent its first task before worker 1 is forked, so that it works while the
     training process forks the next one (milliseconds each); the ring, when one exists
