@@ -10,6 +10,9 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -442,15 +445,27 @@ int shmring_slot_privatize(shmring_t *r, uint32_t slot) {
     if (slot >= r->hdr->nslots) return -EINVAL;
     char *data = shmring_slot_data(r, slot);
     uint64_t n = r->hdr->slot_bytes;
-    void *copy = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (copy == MAP_FAILED) return -errno;
-    memcpy(copy, data, n);
-    /* Moves the copy's pages over the slot's range in one step: no moment
-     * where the address holds nothing. */
-    if (mremap(copy, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, data) == MAP_FAILED) {
+    uint64_t offset = r->hdr->data_off + (uint64_t)slot * n;
+    /* A copy-on-write mapping of the slot's own pages, moved over the slot's
+     * range in one step (no moment where the address holds nothing), then
+     * every page copied by the kernel.  No byte is copied by this thread: a
+     * write another thread makes meanwhile lands in the shared page before
+     * the move (and is read through the new mapping) or in the private page
+     * after it, never in a copy taken too early. */
+    void *cow = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE, r->fd, (off_t)offset);
+    if (cow == MAP_FAILED) return -errno;
+    if (mremap(cow, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, data) == MAP_FAILED) {
         int err = errno;
-        munmap(copy, n);
+        munmap(cow, n);
         return -err;
+    }
+    if (madvise(data, n, MADV_POPULATE_WRITE) != 0) {
+        if (errno != EINVAL) return -errno;
+        /* Kernels before 5.14: a write of nothing to each page (an atomic
+         * add of 0 cannot undo another thread's store) makes its copy. */
+        long page = sysconf(_SC_PAGESIZE);
+        for (uint64_t at = 0; at < n; at += (uint64_t)page)
+            atomic_fetch_add_explicit((_Atomic char *)(data + at), 0, memory_order_relaxed);
     }
     return 0;
 }

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -102,6 +103,45 @@ def test_child_forked_while_batch_held_keeps_it():
     images = Images(48)
     for b, got in enumerate(rest, 1):
         assert torch.equal(got, torch.stack([images[i] for i in range(b * 4, b * 4 + 4)])), b
+
+
+class _Zeros(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.zeros(2 << 20)  # 8 MiB
+
+
+def test_fork_while_a_thread_writes_a_held_batch_loses_no_write():
+    """Before a fork the held slots become private memory. A thread that writes the batch
+    meanwhile (torch lets go of the GIL in its kernels) must find every write it made in the
+    parent's batch: none may land in shared pages already copied and then swapped out."""
+    import threading
+
+    loader = DataLoader(_Zeros(), batch_size=4, num_workers=1, prefetch_factor=1, num_slots=3,
+                        persistent_workers=True)
+    it = iter(loader)
+    for trial in range(4):
+        batch = next(it)
+        started = threading.Event()
+
+        def add_ones():
+            started.set()
+            for _ in range(40):
+                batch.add_(1)
+
+        writer = threading.Thread(target=add_ones)
+        writer.start()
+        started.wait()
+        time.sleep(0.005)  # well into the writes
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        writer.join()
+        assert batch.min() == batch.max() == 40, f"trial {trial}: in-place writes were lost"
+        del batch
 
 
 class _Cached(torch.utils.data.Dataset):
