@@ -82,7 +82,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         # prefetch_next_epoch (persistent workers, so the loader holds this
         # iterator): a weak reference, which leaves no cycle to keep dropped
         # loaders' workers alive until the garbage collector runs.
-        self._loader = weakref.proxy(loader)
+        self._loader_ref = weakref.ref(loader)
         self._shutdown = False
         self._owner_pid = os.getpid()
         self._ring = None
@@ -300,9 +300,17 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     def _draw(self):
         """The next batch's indices, from this epoch's sampler or, once that
         ran out, the prefetched epoch's."""
-        if self._prefetched is not None:
+        if self._prefetched is None:
+            return self._next_index()
+        if self._prefetched.failed:
+            raise StopIteration
+        try:
             return self._prefetched.draw(self._next_index)
-        return self._next_index()
+        except StopIteration:
+            raise
+        except Exception:  # noqa: BLE001 - the next iter() draws the epoch afresh and meets it
+            self._prefetched.failed = True
+            raise StopIteration from None
 
     def _start_next_epoch(self) -> bool:
         """prefetch_next_epoch: the sampler ran out; go on with the next
@@ -310,15 +318,20 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         _sampler_state.py).  False when there is nothing to prefetch."""
         if not self._prefetch_next_epoch or self._next_epoch_at is not None:
             return False
+        loader = self._loader_ref()
+        if loader is None:  # nobody can start another epoch
+            return False
         self._next_epoch_at = self._send_idx
-        loader = self._loader
         self._epoch = loader._next_epoch()
         self._next_epoch_start = Progress()
         self._next_epoch_start.epoch_begins(loader, self._epoch, self._base_seed,
                                             self._num_workers, sampler_state(loader))
         self._progress.next_start = self._next_epoch_start
-        self._prefetched = PrefetchedEpoch(loader, self._epoch)
-        self._sampler_iter = self._prefetched.draw(lambda: iter(self._index_sampler))
+        self._prefetched = PrefetchedEpoch(weakref.proxy(loader), self._epoch)
+        try:
+            self._sampler_iter = self._prefetched.draw(lambda: iter(self._index_sampler))
+        except Exception:  # noqa: BLE001 - met again, as torch meets it, at the next iter()
+            self._prefetched.failed = True
         self._position = 0
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         return True

@@ -87,15 +87,16 @@ class PrefetchedEpoch:
                 now = getattr(sampler, "epoch", None)
                 self._epochs.append((sampler, now, now + 1 if type(now) is int else epoch))
         self._expected = None
+        self.failed = False  # a draw raised: the epoch is left to the next iter()
 
     def draw(self, fn):
         """fn() (a draw from the next epoch's sampler iterator), made in the
         next epoch's configuration and invisible outside it."""
-        for g, state in zip(self._generators, self._private_states):
-            g.set_state(state)
-        for sampler, _, then in self._epochs:
-            sampler.set_epoch(then)
         try:
+            for g, state in zip(self._generators, self._private_states):
+                g.set_state(state)
+            for sampler, _, then in self._epochs:
+                sampler.set_epoch(then)
             return fn()
         finally:
             self._private_states = [g.get_state() for g in self._generators]
@@ -108,8 +109,10 @@ class PrefetchedEpoch:
                     sampler.set_epoch(now)
 
     def holds(self) -> bool:
-        """Whether the next iter() finds what this epoch was drawn with."""
-        return self._expected is not None and _capture(self._loader) == self._expected
+        """Whether the next iter() finds what this epoch was drawn with (and
+        its sampler did not fail: then that iter() draws it afresh)."""
+        return not self.failed and self._expected is not None and \
+            _capture(self._loader) == self._expected
 
     def adopt(self) -> None:
         """The draws happen now: the generators move on as they would have."""

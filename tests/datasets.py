@@ -829,6 +829,19 @@ class EpochRandomSampler(Sampler):
         return self.n
 
 
+class FailingEpochSampler(EpochRandomSampler):
+    """EpochRandomSampler whose iteration raises in epoch `bad`."""
+
+    def __init__(self, n, bad):
+        super().__init__(n)
+        self.bad = bad
+
+    def __iter__(self):
+        if self.epoch == self.bad:
+            raise ValueError(f"no epoch {self.epoch} here")
+        return super().__iter__()
+
+
 class WhoMap(Dataset):
     """Sample i = {"i": i, "wid": id of the worker that fetched it (-1 in the main process)}."""
 

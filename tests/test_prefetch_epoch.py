@@ -127,6 +127,41 @@ def test_batch_sampler_over_distributed_sampler_set_epoch_each_epoch():
     assert loader.stats().prefetched_epochs == 2
 
 
+def test_loader_dropped_while_its_iterator_runs():
+    """`for batch in DataLoader(...)`: nothing holds the loader, so no next epoch can start;
+    the epoch runs to its end as torch's does (nothing prefetched)."""
+    def epoch(cls, **extra):
+        got = []
+        for batch in cls(D.IndexMap(N), batch_size=BS, num_workers=2, persistent_workers=True,
+                         **extra):
+            got.append(batch)
+        return got
+
+    D.assert_same(epoch(TorchDataLoader), epoch(ShmDataLoader, prefetch_next_epoch=True),
+                  "epoch")
+
+
+def test_next_epochs_sampler_failing_in_the_prefetch():
+    """The next epoch's sampler raises when the prefetch draws it: this epoch's batches all
+    come, and the error comes at the next iter(), where torch meets it."""
+    def epochs(cls):
+        sampler = D.FailingEpochSampler(N, bad=1)
+        loader = cls(D.IndexMap(N), batch_size=BS, sampler=sampler, num_workers=2,
+                     persistent_workers=True)
+        out = []
+        for e in range(3):
+            sampler.set_epoch(e)
+            try:
+                out.append(list(loader))
+            except ValueError as error:
+                out.append(str(error))
+        return out
+
+    expected = epochs(TorchDataLoader)
+    assert expected[1] == "no epoch 1 here"
+    D.assert_same(expected, epochs(prefetching()), "epochs")
+
+
 def test_custom_sampler_with_set_epoch_adopted():
     stats = check(sampler=P(D.EpochRandomSampler, N, 2), on_epoch=lambda e, g, s: s.set_epoch(e))
     assert stats.prefetched_epochs == 2
