@@ -479,6 +479,18 @@ int shmring_slot_share(shmring_t *r, uint32_t slot) {
     return 0;
 }
 
+int shmring_slot_drop_pages(shmring_t *r, uint32_t slot) {
+    if (slot >= r->hdr->nslots) return -EINVAL;
+    struct shmring_slot *s = &r->slots[slot];
+    if (atomic_load_explicit(&s->state, memory_order_acquire) != SHMRING_FREE) return -EBUSY;
+    uint64_t offset = r->hdr->data_off + (uint64_t)slot * r->hdr->slot_bytes;
+    atomic_store_explicit(&s->reserved, 0, memory_order_release);
+    if (fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)offset,
+                  (off_t)r->hdr->slot_bytes) != 0)
+        return -errno;
+    return 0;
+}
+
 static int any_ready(const shmring_t *r) {
     for (uint32_t i = 0; i < r->hdr->nslots; i++)
         if (atomic_load_explicit(&r->slots[i].state, memory_order_seq_cst) == SHMRING_READY)

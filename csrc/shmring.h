@@ -140,6 +140,11 @@ int shmring_release(shmring_t *r, uint32_t slot);
 int shmring_slot_privatize(shmring_t *r, uint32_t slot);
 int shmring_slot_share(shmring_t *r, uint32_t slot);
 
+/* Consumer, for a ring no worker will write again: give a FREE slot's pages
+ * back to the filesystem (its reservation goes with them).  -EBUSY if the
+ * slot is not FREE. */
+int shmring_slot_drop_pages(shmring_t *r, uint32_t slot);
+
 /* Consumer: make a CLAIMED slot batch `seq` of `nrows` rows filled by
  * producers; rows below `first_row` (<= nrows) are someone's already
  * (row_claim starts there). */

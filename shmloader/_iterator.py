@@ -41,7 +41,7 @@ from torch.utils.data.dataloader import (
 from . import _cuda, _layout
 from ._pool import WorkerDied, WorkerPool
 from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
-from ._rings import create_ring, reserve_in_background
+from ._rings import create_ring, reserve_in_background, retire
 from ._sampler_state import PrefetchedEpoch, generator_states
 from ._warn import warn
 from ._worker import MEASURE, NO_SLOT
@@ -704,8 +704,12 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             _discard(self._arrivals.popleft()[1])
         if self._ring is not None:
             # Every worker is gone: the ring goes back to the loader for its
-            # next iterator (batches the user holds keep their slots).
-            self._options.keep_spare_ring(self._ring)
+            # next iterator (batches the user holds keep their slots), or,
+            # when the loader is gone, keeps only the slots those batches hold.
+            if self._loader_ref() is None:
+                retire(self._ring)
+            else:
+                self._options.keep_spare_ring(self._ring)
             self._ring = None
 
     def __del__(self) -> None:

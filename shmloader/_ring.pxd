@@ -47,6 +47,7 @@ cdef extern from "shmring.h" nogil:
     int shmring_release(shmring_t *r, uint32_t slot)
     int shmring_slot_privatize(shmring_t *r, uint32_t slot)
     int shmring_slot_share(shmring_t *r, uint32_t slot)
+    int shmring_slot_drop_pages(shmring_t *r, uint32_t slot)
     int shmring_rows_begin(shmring_t *r, uint32_t slot, uint64_t seq, uint32_t nrows, uint32_t first_row)
     int shmring_row_claim(shmring_t *r, uint32_t slot, uint64_t seq, uint32_t *row)
     int shmring_row_done(shmring_t *r, uint32_t slot, int failed)

@@ -65,6 +65,7 @@ cdef class Ring:
     cdef pid_t _owner  # on_destroy runs only here, never in a forked child
     cdef set _held     # slots this process's live leases hold
     cdef set _private  # of those, the ones it holds a private copy of
+    cdef bint _retired  # no worker writes it again: released slots give back their pages
     cdef object __weakref__
 
     def __cinit__(self):
@@ -234,7 +235,24 @@ cdef class Ring:
             if rc < 0:
                 return rc
             self._private.discard(slot)
-        return shmring_release(self._r, slot)
+        rc = shmring_release(self._r, slot)
+        if rc == 0 and self._retired:
+            shmring_slot_drop_pages(self._r, slot)  # memory only: nothing to report
+        return rc
+
+    def retire(self):
+        """No worker will write this ring again (its loader is gone), but
+        batches the user keeps may hold slots: give back the pages of the free
+        slots now and of each held one when it is released, so a kept batch
+        keeps its own slot's memory, not the whole ring's.  Not for a ring
+        pinned with CUDA (its registration covers the pages)."""
+        if self.release_hook is not None or getpid() != self._owner:
+            return
+        self._retired = True
+        for slot in range(shmring_nslots(self._r)):
+            if shmring_slot_state(self._r, slot) == SHMRING_FREE:
+                _check(shmring_slot_drop_pages(self._r, slot),
+                       f"giving back slot {slot}'s memory")
 
     def privatize_held(self):
         """Give this process a private copy of every slot its leases hold

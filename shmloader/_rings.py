@@ -128,9 +128,29 @@ class RingOptions:
 
     def keep_spare_ring(self, ring: Ring) -> None:
         """Take back the ring of an iterator whose workers have all exited."""
-        for slot in range(ring.nslots):
-            if ring.slot_state(slot) == CLAIMED:  # its worker stopped before filling it
-                ring.abandon(slot)
-        while (lease := ring.acquire()) is not None:  # published, never taken
-            lease.release()
+        _settle(ring)
         self.spare_ring = ring
+
+    def retire_spare_ring(self) -> None:
+        """The loader is gone: its spare ring keeps only the memory of the
+        slots batches still hold."""
+        ring, self.spare_ring = self.spare_ring, None
+        if ring is not None:
+            retire(ring)
+
+
+def _settle(ring: Ring) -> None:
+    """Free what exited workers left in `ring`: slots they claimed but never
+    filled, and batches published but never taken."""
+    for slot in range(ring.nslots):
+        if ring.slot_state(slot) == CLAIMED:
+            ring.abandon(slot)
+    while (lease := ring.acquire()) is not None:
+        lease.release()
+
+
+def retire(ring: Ring) -> None:
+    """A ring no loader will use again: only the slots batches the user keeps
+    still hold keep their pages (see Ring.retire)."""
+    _settle(ring)
+    ring.retire()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch.utils.data
 from torch.utils.data import _DatasetKind
@@ -182,6 +183,9 @@ class DataLoader(torch.utils.data.DataLoader):
         _check_positive_int("slot_bytes", slot_bytes, upper=2**62)
         _check_positive_int("num_slots", num_slots, upper=MAX_SLOTS)
         self._shm_options = RingOptions(slot_bytes, num_slots)
+        # A batch kept after its loader is gone keeps its own slot's memory,
+        # not the whole ring's (at interpreter exit everything goes anyway).
+        weakref.finalize(self, self._shm_options.retire_spare_ring).atexit = False
         self._counters = Counters()
         self._epochs_started = 0
         self._progress = Progress()

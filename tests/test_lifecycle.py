@@ -144,6 +144,32 @@ def test_fork_while_a_thread_writes_a_held_batch_loses_no_write():
         del batch
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_batch_kept_after_its_loader_is_gone_keeps_only_its_slot(persistent):
+    """A batch kept past its loader (one logged batch of a validation loader) keeps its own
+    slot's memory in /dev/shm, as a torch batch keeps its own, not the whole ring's; once it
+    goes, that memory goes too. (A persistent loader's iterator gives the ring up when it
+    goes, with the loader.)"""
+    loader = DataLoader(Images(16, shape=(1024, 1024)), batch_size=2, num_workers=2,
+                        persistent_workers=persistent)
+    for i, batch in enumerate(loader):
+        if i == 6:  # past the batches that size the ring
+            kept = batch[0, :4]
+    ring = loader._iterator._ring if persistent else loader._shm_options.spare_ring
+    ring.reserve_all()  # what the background reservation does soon after the first batches
+
+    def allocated():
+        return os.fstat(ring.fds[0]).st_blocks * 512
+
+    assert allocated() >= ring.nslots * ring.slot_bytes
+    del loader, batch
+    gc.collect()
+    assert allocated() < 2 * ring.slot_bytes, "the loader's free slots kept their memory"
+    del kept
+    gc.collect()
+    assert allocated() < ring.slot_bytes
+
+
 class _Cached(torch.utils.data.Dataset):
     """Items are copies of the batches in `holder` (a list), read in the worker."""
 
