@@ -8,8 +8,11 @@ of the slot holding `capacity` rows of one sample's bytes back to back, so
 the batch's tensor for that field is the region's first n rows: exactly the
 (n, *shape) tensor default_collate would stack.
 
-Workers flatten every later sample the same way (collate again, recording
-leaves), check each leaf against its field, and copy it into its row.  The
+torch's default_collate also runs once on that sample alone, so that a leaf
+torch cannot batch fails with torch's own error.  Workers flatten every later
+sample the same way (collate again, recording leaves), check that its
+structure is the first sample's (container types, keys in order, lengths) and
+each leaf against its field, and copy the leaves into their rows.  The
 main process turns the structure into a batch of views with _layout's slot
 references; nothing about the batch is pickled per batch.
 """
@@ -20,7 +23,11 @@ import pickle
 
 import numpy as np
 import torch
-from torch.utils.data._utils.collate import collate, default_collate_err_msg_format
+from torch.utils.data._utils.collate import (
+    collate,
+    default_collate,
+    default_collate_err_msg_format,
+)
 
 from . import _layout
 from ._arena import ALIGN
@@ -39,6 +46,11 @@ class _Field:
     def __init__(self, number: int):
         self.number = number
 
+    def __eq__(self, other):
+        return type(other) is _Field and other.number == self.number
+
+    __hash__ = None
+
 
 def _describe(dtype, shape) -> str:
     return f"{str(dtype).replace('torch.', '')} of shape {tuple(shape)}"
@@ -52,6 +64,11 @@ def _leaf_spec(leaf):
                 f"fetch='sample' writes samples into shared memory and needs dense CPU "
                 f"tensors, but a sample holds a {leaf.layout} tensor on {leaf.device}; "
                 "use fetch='batch'.")
+        if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
+            raise SampleLayoutError(
+                f"fetch='sample' batches are plain tensors viewing shared memory, but a "
+                f"sample holds a {type(leaf).__name__} (a torch.Tensor subclass), which "
+                "torch's collate keeps; use fetch='batch'.")
         return leaf.dtype, tuple(leaf.shape)
     if isinstance(leaf, np.ndarray):
         if leaf.dtype.hasobject or leaf.dtype.kind in "SU":
@@ -62,6 +79,18 @@ def _leaf_spec(leaf):
     if isinstance(leaf, float):
         return torch.float64, ()
     return torch.tensor([leaf]).dtype, ()  # int: int64, or bool for a bool
+
+
+def _leaf_kind(leaf) -> str:
+    """Which of collate's leaf rules `leaf` takes: a field's samples must all
+    take the first one's (torch's batch would fail, or differ, otherwise)."""
+    if isinstance(leaf, torch.Tensor):
+        return "tensor"
+    if isinstance(leaf, np.ndarray):
+        return "numpy array"
+    if isinstance(leaf, (np.bool_, np.number)):
+        return "numpy scalar"
+    return "float" if isinstance(leaf, float) else "Python int"
 
 
 def _refuse_text(batch, *, collate_fn_map=None):
@@ -78,10 +107,45 @@ def _leaf_map(on_leaf):
             int: fn, str: _refuse_text, bytes: _refuse_text}
 
 
-def _leaves(sample) -> list:
-    found = []
-    collate([sample], collate_fn_map=_leaf_map(lambda leaf: found.append(leaf)))
-    return found
+def _flatten(sample):
+    """(the batch structure collate builds from `sample` alone, with each leaf
+    it would stack replaced by a numbered _Field; the leaves, in that order)."""
+    leaves = []
+
+    def add(leaf):
+        leaves.append(leaf)
+        return _Field(len(leaves) - 1)
+
+    return collate([sample], collate_fn_map=_leaf_map(add)), leaves
+
+
+def _difference(got, want, path=""):
+    """Where and how structure `got` differs from `want` (see _flatten), or
+    None: the same container types, keys in the same order, the same lengths
+    and the same container attributes (collate copies a mapping's)."""
+    where = path or "the sample"
+    if type(got) is not type(want):
+        return f"{where} is a {type(got).__name__} where it was a {type(want).__name__}"
+    if type(want) is _Field:
+        return None if got == want else f"{where} moved"
+    if isinstance(want, dict) or hasattr(want, "keys"):
+        if list(got.keys()) != list(want.keys()):
+            return f"{where} has keys {list(got.keys())} where it had {list(want.keys())}"
+        pairs = [(got[k], want[k], f"{path}[{k!r}]") for k in want.keys()]
+    elif isinstance(want, (list, tuple)):
+        if len(got) != len(want):
+            return f"{where} has {len(got)} items where it had {len(want)}"
+        pairs = [(g, w, f"{path}[{i}]") for i, (g, w) in enumerate(zip(got, want))]
+    else:
+        pairs = []
+    if getattr(got, "__dict__", None) is not None or getattr(want, "__dict__", None) is not None:
+        try:
+            same = bool(vars(got) == vars(want))
+        except Exception:  # noqa: BLE001 - attributes that cannot be compared differ
+            same = False
+        if not same:
+            return f"the attributes of {where} differ"
+    return next((d for d in (_difference(*p) for p in pairs) if d is not None), None)
 
 
 def _paths(obj, prefix=""):
@@ -100,13 +164,12 @@ class SampleLayout:
     """Where each field of a batch of up to `capacity` samples lies in a slot."""
 
     def __init__(self, sample, capacity: int):
-        fields = []
-
-        def add(leaf):
-            fields.append(_leaf_spec(leaf))
-            return _Field(len(fields) - 1)
-
-        self._structure = pickle.dumps(collate([sample], collate_fn_map=_leaf_map(add)))
+        default_collate([sample])  # a leaf torch cannot batch fails with torch's error
+        structure, leaves = _flatten(sample)
+        fields = [_leaf_spec(leaf) for leaf in leaves]
+        self.kinds = [_leaf_kind(leaf) for leaf in leaves]
+        self._structure = pickle.dumps(structure)
+        self._skeleton = structure
         self.capacity = capacity
         self.names = list(_paths(sample))
         if len(self.names) != len(fields):
@@ -125,10 +188,10 @@ class SampleLayout:
         self._meta = {}
 
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_meta"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_meta", "_skeleton")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _meta={})
+        self.__dict__.update(state, _meta={}, _skeleton=pickle.loads(state["_structure"]))
 
     # ---- worker side --------------------------------------------------------
 
@@ -136,13 +199,14 @@ class SampleLayout:
         """Copy `sample` into row `row` of the slot whose SlotMemory and uint8
         storage are given; a sample that does not fit raises SampleLayoutError
         before any byte is written."""
-        leaves = _leaves(sample)
-        if len(leaves) != len(self.dtypes):
+        structure, leaves = _flatten(sample)
+        difference = _difference(structure, self._skeleton)
+        if difference is not None:
             raise SampleLayoutError(
-                f"fetch='sample': this sample has {len(leaves)} fields, but the first sample "
-                f"of the loader had {len(self.dtypes)}; samples must share one structure "
-                "(use fetch='batch' otherwise).")
-        tensors = [self._checked(i, leaf) for i, leaf in enumerate(leaves)]
+                f"fetch='sample': {difference} in the loader's first sample; every sample "
+                "must have its structure (container types, keys in the same order, lengths), "
+                "since batches are laid out from it (use fetch='batch' otherwise).")
+        tensors = [self._checked(i, leaf, row == 0) for i, leaf in enumerate(leaves)]
         for i, t in enumerate(tensors):
             nbytes = self.row_bytes[i]
             offset = self.offsets[i] + row * nbytes
@@ -153,13 +217,21 @@ class SampleLayout:
                     storage, offset // t.dtype.itemsize, t.shape)
                 dst.copy_(t)
 
-    def _checked(self, i: int, leaf) -> torch.Tensor:
-        """The leaf as a tensor of field i's dtype and shape."""
-        dtype, shape = self.dtypes[i], self.shapes[i]
-        if type(leaf) is torch.Tensor and leaf.dtype is dtype and leaf.shape == shape \
-                and leaf.device.type == "cpu" and leaf.layout == torch.strided \
-                and not leaf.requires_grad:
+    def _checked(self, i: int, leaf, first: bool) -> torch.Tensor:
+        """The leaf as a tensor of field i's dtype and shape (`first`: the
+        leaf is the batch's first sample's, whose tensor torch's collate
+        makes the batch's from)."""
+        dtype, shape, kind = self.dtypes[i], self.shapes[i], self.kinds[i]
+        if type(leaf) is torch.Tensor and kind == "tensor" and leaf.dtype is dtype \
+                and leaf.shape == shape and leaf.device.type == "cpu" \
+                and leaf.layout == torch.strided and not leaf.requires_grad \
+                and not leaf.is_neg() and not leaf.is_conj():
             return leaf
+        if _leaf_kind(leaf) != kind:
+            raise SampleLayoutError(
+                f"fetch='sample': field {self.names[i]} of this sample is a "
+                f"{_leaf_kind(leaf)}, but the first sample of the loader fixed it as a {kind}; "
+                "every sample must match it (use fetch='batch' otherwise).")
         got_dtype, got_shape = _leaf_spec(leaf)
         if got_dtype is not dtype or tuple(got_shape) != tuple(shape):
             raise SampleLayoutError(
@@ -168,13 +240,14 @@ class SampleLayout:
                 f"it as {_describe(dtype, shape)}; every sample must match it (use "
                 "fetch='batch' for samples whose shapes or dtypes vary).")
         if isinstance(leaf, torch.Tensor):
-            if leaf.requires_grad:
-                # A worker's default_collate stacks into shared memory with out=,
-                # which autograd refuses: the batch fails with torch's own error.
-                torch.stack([leaf], out=torch.empty((1, *leaf.shape), dtype=leaf.dtype))
+            if leaf.requires_grad or (first and (leaf.is_neg() or leaf.is_conj())):
+                # What a worker's default_collate refuses: stacking into shared
+                # memory with out= (any sample), a batch tensor made from a
+                # negative or conjugate view (the first): torch's own error.
+                default_collate([leaf])
             return leaf.detach()
         if isinstance(leaf, (np.ndarray, np.bool_, np.number)):
-            return torch.as_tensor(np.ascontiguousarray(leaf))
+            return torch.as_tensor(leaf)  # negative strides: torch's ValueError
         return torch.tensor(leaf, dtype=dtype)
 
     # ---- main side ----------------------------------------------------------

@@ -5,6 +5,7 @@ methods (the child imports this module by name). Nothing here imports shmloader:
 are fed to torch's DataLoader and to shmloader.DataLoader, and the outputs are compared with
 `assert_same` / `canon`.
 """
+import collections
 import math
 import random
 import time
@@ -712,6 +713,59 @@ class TensorMap(Dataset):
     def __getitem__(self, i):
         t = torch.tensor([[i, 3 * i], [2 * i, 4 * i]], dtype=torch.float32)
         return t.t() if i % 2 else t.t().contiguous()
+
+
+class TensorSub(torch.Tensor):
+    """A tensor subclass, which torch's collate keeps as the batch's type."""
+
+
+class MetaDict(dict):
+    """A dict with an attribute, which torch's collate copies from a batch's first sample."""
+
+
+Pair = collections.namedtuple("Pair", "p q")
+
+
+class StructureMap(Dataset):
+    """Samples whose structure or leaves differ in ways a layout fixed by the first sample
+    cannot show (odd samples differ from even ones unless said otherwise), by `kind`."""
+
+    def __init__(self, kind, n=8):
+        self.kind = kind
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        t = torch.full((2,), float(i))
+        odd = i % 2 == 1
+        kind = self.kind
+        if kind == "key-order":
+            return {"b": -t, "a": t} if odd else {"a": t, "b": -t}
+        if kind == "other-key":
+            return {"y": t} if odd else {"x": t}
+        if kind == "int-vs-list":
+            return {"b": [i]} if odd else {"b": i}
+        if kind == "nesting":
+            return [[t], t + 1] if odd else [t, t + 1]
+        if kind == "tensor-vs-int":
+            return i if odd else torch.tensor(i)
+        if kind == "namedtuple-vs-tuple":
+            return Pair(t, i) if i >= 2 else (t, i)
+        if kind == "dict-attribute":
+            d = MetaDict(x=t)
+            d.meta = i
+            return d
+        if kind == "tensor-subclass":
+            return t.as_subclass(TensorSub)
+        if kind == "numpy-negative-strides":
+            return (np.arange(4.0) + i)[::-1]
+        if kind == "quantized":
+            return torch.quantize_per_tensor(t, 0.1, 0, torch.quint8)
+        if kind == "bits8":
+            return torch.full((2,), i, dtype=torch.uint8).view(torch.bits8)
+        raise ValueError(kind)
 
 
 class MismatchMap(Dataset):
