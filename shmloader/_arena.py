@@ -42,6 +42,17 @@ def _bytes_are_values(leaf: torch.Tensor) -> bool:
     return leaf.numel() > 0 and not leaf.is_conj() and not leaf.is_neg()
 
 
+def _as_torch_sends(leaf: torch.Tensor) -> torch.Tensor:
+    """The tensor torch's transport delivers for `leaf`: its storage with its
+    offset, shape and strides, without a conjugate or negative view's lazy
+    bit (torch's pickling drops it, so the raw storage values arrive)."""
+    if leaf.is_conj():
+        leaf = leaf.conj()
+    if leaf.is_neg():
+        leaf = torch._neg_view(leaf)
+    return leaf
+
+
 def _spans_its_storage(leaf: torch.Tensor) -> bool:
     """Whether a tensor spans every byte of its storage (a whole tensor, a
     transposed or an expanded one): its storage's bytes are then copied as
@@ -118,9 +129,10 @@ class Arena:
         views = {}
 
         def note(leaf):
-            if isinstance(leaf, torch.Tensor) and _bytes_are_values(leaf) \
-                    and not self.owns(leaf):
-                views.setdefault(_storage_key(leaf), {})[id(leaf)] = leaf
+            if isinstance(leaf, torch.Tensor) and not self.owns(leaf):
+                sent = _as_torch_sends(leaf)
+                if _bytes_are_values(sent):
+                    views.setdefault(_storage_key(sent), {})[id(leaf)] = sent
             return ("noted",)
 
         _layout.dumps(batch, note, 0)
@@ -145,12 +157,15 @@ class Arena:
             return (_layout.NDARRAY, offset, leaf.dtype, view.shape, view.strides)
         if self.owns(leaf):
             leaf_ref = leaf
-        elif _storage_key(leaf) in self._shared or _spans_its_storage(leaf):
+        elif _storage_key(leaf := _as_torch_sends(leaf)) in self._shared \
+                or _spans_its_storage(leaf):
             leaf_ref = self._in_storage_copy(leaf)
         else:
             # A part of its storage, alone: densely, in the layout torch's
-            # pickling would keep (channels_last stays channels_last).
-            stride = torch.empty_like(leaf, device="meta").stride()
+            # pickling would keep (channels_last stays channels_last); an
+            # empty one keeps its strides, as torch's does.
+            stride = leaf.stride() if leaf.numel() == 0 else \
+                torch.empty_like(leaf, device="meta").stride()
             copy = self.tensor(leaf.dtype, leaf.shape, stride)
             with torch.no_grad():
                 copy.copy_(leaf)

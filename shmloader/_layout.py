@@ -167,9 +167,10 @@ class _RefUnpickler(pickle.Unpickler):
             if offset % dtype.itemsize:  # a misaligned view: vector loads would fault
                 raise pickle.UnpicklingError(f"slot reference {ref!r} is not aligned")
             if count == 0:
-                if math.prod(shape) != 0:
+                if math.prod(shape) != 0 or len(stride) != len(shape) or any(
+                        type(n) is not int or n < 0 for n in stride):
                     raise pickle.UnpicklingError(f"slot reference {ref!r} has no bytes")
-                tensor = torch.empty(shape, dtype=dtype)
+                tensor = torch.empty_strided(shape, stride, dtype=dtype)  # its strides kept
             else:
                 # A storage of exactly this leaf's bytes (torch.save and
                 # pickling of one leaf then carry that leaf only), holding the

@@ -768,6 +768,21 @@ class StructureMap(Dataset):
         raise ValueError(kind)
 
 
+class LazyBitsMap(Dataset):
+    """Unbatched samples torch's transport changes on the way: a negative view and a
+    conjugate view (their lazy bit is dropped, the raw storage values arrive) and empty
+    tensors with zero strides (kept)."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return {"neg": torch._neg_view(torch.full((2,), float(i))),
+                "conj": torch.full((2,), complex(i, i)).conj(),
+                "empty": torch.empty_strided((3, 0), (0, 0)),
+                "empty_t": torch.empty((0, 2)).t()}
+
+
 class MismatchMap(Dataset):
     """{"image": float32 (3,), "meta": {"label": int, "box": float32 (2,)}}; sample `bad` breaks
     the layout the first sample fixed, by `kind`: "shape" (box of shape (3,)), "dtype" (box as

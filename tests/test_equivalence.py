@@ -707,6 +707,22 @@ ATTR_CASES = {
 }
 
 
+def test_leaves_arrive_as_torchs_transport_delivers_them():
+    """batch_size=None: a loader's first batches travel by torch's transport, later ones
+    through the ring; both must deliver what torch's does (raw values of lazy views, empty
+    tensors with their strides)."""
+    def batches(cls):
+        return list(cls(D.LazyBitsMap(), batch_size=None, num_workers=2))
+
+    expected, got = batches(TorchDataLoader), batches(ShmDataLoader)
+    assert len(expected) == len(got) == 12
+    for b, (e, g) in enumerate(zip(expected, got)):
+        D.assert_same(e, g, f"batch {b}")
+        for key in e:
+            assert (g[key].is_neg(), g[key].is_conj(), g[key].stride()) == \
+                (e[key].is_neg(), e[key].is_conj(), e[key].stride()), f"batch {b} {key}"
+
+
 @pytest.mark.parametrize("where", ["loader", "batch-sampler"])
 def test_dataset_sharing_the_samplers_generator(where):
     """Workers start as they are sent their first task, so the sampler has drawn from its
