@@ -8,8 +8,9 @@ of the slot holding `capacity` rows of one sample's bytes back to back, so
 the batch's tensor for that field is the region's first n rows: exactly the
 (n, *shape) tensor default_collate would stack.
 
-torch's default_collate also runs once on that sample alone, so that a leaf
-torch cannot batch fails with torch's own error.  Workers flatten every later
+torch's default_collate also runs once on each of that sample's unusual tensor
+leaves (other dtypes or layouts), so that one torch cannot batch fails with
+torch's own error.  Workers flatten every later
 sample the same way (collate again, recording leaves), check that its
 structure is the first sample's (container types, keys in order, lengths) and
 each leaf against its field, and copy the leaves into their rows.  The
@@ -79,6 +80,22 @@ def _leaf_spec(leaf):
     if isinstance(leaf, float):
         return torch.float64, ()
     return torch.tensor([leaf]).dtype, ()  # int: int64, or bool for a bool
+
+
+# Dtypes torch.stack batches like any other; a tensor of another dtype (bits,
+# sub-byte, ...) or layout goes through torch's own collate once first.
+_PLAIN_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16,
+                 torch.float32, torch.float64, torch.complex64, torch.complex128}
+
+
+def _unusual(leaf) -> bool:
+    """Whether torch's worker collate might refuse this tensor leaf: running it
+    on every first sample would cost a shared-memory segment (milliseconds in
+    a fresh worker) on the path to the first batch."""
+    return isinstance(leaf, torch.Tensor) and not (
+        leaf.layout == torch.strided and leaf.dtype in _PLAIN_DTYPES and not leaf.is_nested
+        and not leaf.is_conj() and not leaf.is_neg())
 
 
 def _leaf_kind(leaf) -> str:
@@ -164,8 +181,10 @@ class SampleLayout:
     """Where each field of a batch of up to `capacity` samples lies in a slot."""
 
     def __init__(self, sample, capacity: int):
-        default_collate([sample])  # a leaf torch cannot batch fails with torch's error
         structure, leaves = _flatten(sample)
+        for leaf in leaves:
+            if _unusual(leaf):
+                default_collate([leaf])  # a leaf torch cannot batch fails with torch's error
         fields = [_leaf_spec(leaf) for leaf in leaves]
         self.kinds = [_leaf_kind(leaf) for leaf in leaves]
         self._structure = pickle.dumps(structure)
