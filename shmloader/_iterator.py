@@ -42,7 +42,7 @@ from . import _cuda, _layout
 from ._pool import WorkerDied, WorkerPool
 from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
 from ._rings import create_ring, reserve_in_background, retire
-from ._sampler_state import PrefetchedEpoch, generator_states
+from ._sampler_state import PrefetchedEpoch
 from ._warn import warn
 from ._worker import MEASURE, NO_SLOT
 
@@ -114,8 +114,6 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         # calls a default_collate passed explicitly on each sample (and its
         # errors must be torch's).
         slot_collate = self._auto_collation and self._collate_fn is _utils.collate.default_collate
-        # Only a forked worker holds the main process's generator objects.
-        generators = generator_states(loader) if ctx.get_start_method() == "fork" else []
         self._pool = WorkerPool(ctx, [
             dict(
                 dataset_kind=self._dataset_kind,
@@ -132,7 +130,6 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 assignment=loader.assignment,
                 resume_state=resume.worker_state(i) if resume is not None else None,
                 manager_pid=os.getpid(),
-                generator_states=generators,
             )
             for i in range(self._num_workers)
         ])
@@ -145,8 +142,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             slot_bytes = self._options.slot_bytes or self._options.learned_slot_bytes
             if slot_bytes:
                 self._start_ring(slot_bytes)
-        self._reset(loader, first_iter=True)  # starts workers as it sends them tasks
-        self._pool.start_all()  # and those it sent none (torch starts every worker)
+        self._reset(loader, first_iter=True)
 
     def __next__(self):
         # torch's __next__ opens a profiler record_function around every
@@ -177,10 +173,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                     self._counters.warned_register = True
                     warn(f"shmloader: could not pin the ring's memory with CUDA ({failure}); "
                           "batches are pinned by torch's copy instead.")
-        self._pool.ring = self._ring
         self._pool.send_ring(self._ring)
         if self._fetch == "sample":
-            self._pool.broadcast(("layout", self._options.sample_layout), setup=True)
+            self._pool.broadcast(("layout", self._options.sample_layout))
         self._counters.use_ring(self._ring, self._num_workers)
 
     def _learn_layout(self, task_id, index, epoch, position):

@@ -17,7 +17,6 @@ import time
 from multiprocessing.reduction import sendfds
 from pickle import PicklingError
 
-from ._fork import forking_own_workers
 from ._warn import warn
 from ._worker import WorkerConfig, worker_loop
 
@@ -56,46 +55,23 @@ def _exit_description(process) -> str:
 
 class WorkerPool:
     def __init__(self, ctx, configs):
-        """One worker per partial config (a dict of WorkerConfig fields
-        without the connections).  Workers start in order when first sent
-        work, so that worker 0 is on its first batch while the next one is
-        forked (a fork of the training process takes milliseconds); the
-        iterator calls start_all() once its first tasks are out."""
+        """Start one worker per partial config (a dict of WorkerConfig fields
+        without the connections)."""
         self.processes = []
         self.pids = []
         self._tasks = []
         self._results = []
         self._exiting = set()
         self._closed = False
-        self._ctx = ctx
-        self._configs = list(configs)
-        # Set-up messages (the ring, the layout) for workers not started yet,
-        # sent as each starts: (pickled message, fds to pass after it or None).
-        self._queued = [[] for _ in self._configs]
-        self._conn_of_fd = {}
-        self._sentinels = {}
-        self.wait_fds = []
-        self.ring = None  # the iterator's ring: forks here need not copy its held slots
-
-    def start_all(self) -> None:
-        self._ensure_started(len(self._configs) - 1)
-
-    def _ensure_started(self, worker_id: int) -> None:
-        if self._closed:
-            raise RuntimeError("shmloader: this iterator's workers were shut down")
         try:
-            while len(self.processes) <= worker_id:
-                i = len(self.processes)
-                self._start(self._ctx, self._configs[i])
-                self._conn_of_fd[self._results[i].fileno()] = i
-                self._sentinels[self.processes[i].sentinel] = i
-                self._update_wait_fds()
-                for data, fds in self._queued[i]:
-                    self._write(i, data, fds)
-                self._queued[i] = None
+            for fields in configs:
+                self._start(ctx, fields)
         except BaseException:
             self.shutdown()
             raise
+        self._conn_of_fd = {c.fileno(): i for i, c in enumerate(self._results)}
+        self._sentinels = {p.sentinel: i for i, p in enumerate(self.processes)}
+        self._update_wait_fds()
 
     def _start(self, ctx, fields):
         main_tasks, worker_tasks = ctx.Pipe(duplex=True)
@@ -103,8 +79,7 @@ class WorkerPool:
         config = WorkerConfig(tasks=worker_tasks, results=worker_results, **fields)
         process = ctx.Process(target=worker_loop, args=(config,), daemon=True)
         try:
-            with forking_own_workers(self.ring):
-                process.start()
+            process.start()
         except (TypeError, AttributeError, PicklingError) as e:
             warn(_TORCH_PICKLE_WARNING)  # torch's, word for word, before its own error
             method = ctx.get_start_method()
@@ -136,47 +111,33 @@ class WorkerPool:
         ]
 
     def send(self, worker_id: int, msg) -> None:
-        """Send work to one worker, starting it (and those before it) first."""
-        if worker_id >= len(self.processes):
-            self._ensure_started(worker_id)
-        # Plain pickle: a task holds indices, never tensors to share, and
-        # this skips ForkingPickler's per-call setup on the per-batch path.
-        self._write(worker_id, pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
-
-    def broadcast(self, msg, setup: bool = False) -> None:
-        """Send one message to every worker not told to exit (pickled once).
-        Work starts every worker; a set-up message (setup=True) waits in the
-        queue of a worker not started yet."""
-        data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
-        for i in range(len(self._configs)):
-            if i not in self._exiting:
-                self._send_or_queue(i, data, None, setup)
-
-    def send_ring(self, ring) -> None:
-        """Hand the ring's fds to every worker (SCM_RIGHTS over its socket)."""
-        data = pickle.dumps(("ring",), pickle.HIGHEST_PROTOCOL)
-        for i in range(len(self._configs)):
-            if i not in self._exiting:
-                self._send_or_queue(i, data, list(ring.fds), True)
-
-    def _send_or_queue(self, worker_id, data, fds, setup) -> None:
-        if worker_id >= len(self.processes):
-            if setup:
-                self._queued[worker_id].append((data, fds))
-                return
-            self._ensure_started(worker_id)
-        self._write(worker_id, data, fds)
-
-    def _write(self, worker_id, data, fds=None) -> None:
-        conn = self._tasks[worker_id]
         try:
-            send_bytes(conn, data)
-            if fds is not None:
-                with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                    sendfds(s, fds)
+            # Plain pickle: a task holds indices, never tensors to share, and
+            # this skips ForkingPickler's per-call setup on the per-batch path.
+            send_bytes(self._tasks[worker_id], pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
         except OSError:
             self.raise_if_dead()
             raise
+
+    def broadcast(self, msg) -> None:
+        """Send one message to every worker not told to exit (pickled once)."""
+        data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+        for i, conn in enumerate(self._tasks):
+            if i not in self._exiting:
+                try:
+                    send_bytes(conn, data)
+                except OSError:
+                    self.raise_if_dead()
+                    raise
+
+    def send_ring(self, ring) -> None:
+        """Hand the ring's fds to every worker (SCM_RIGHTS over its socket)."""
+        for i, conn in enumerate(self._tasks):
+            if i in self._exiting:
+                continue
+            self.send(i, ("ring",))
+            with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                sendfds(s, list(ring.fds))
 
     def stop(self, worker_id: int) -> None:
         """Tell one worker to exit (its IterableDataset is exhausted)."""

@@ -48,12 +48,6 @@ def _generators(loader):
     return found
 
 
-def generator_states(loader):
-    """(generator, its state now) for every torch.Generator the loader and its
-    samplers hold: what workers forked now would find in them."""
-    return [(g, g.get_state()) for g in _generators(loader)]
-
-
 def _value(value):
     if isinstance(value, _PRIMITIVES):
         return value

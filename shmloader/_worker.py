@@ -102,10 +102,6 @@ class WorkerConfig:
     assignment: str  # fetch="sample": "interleaved" or "dynamic"
     resume_state: dict | None  # plain worker state to start from (load_state_dict)
     manager_pid: int  # the main process: workers exit when it is gone
-    # (generator, state) of the loader's and samplers' generators before the
-    # epoch's first draw: a worker forked after some draws (see WorkerPool)
-    # gives a dataset that holds one of them the state torch's workers see.
-    generator_states: list
     tasks: Any  # Connection (a socket: it also carries the ring's fds)
     results: Any  # Connection
 
@@ -309,8 +305,6 @@ def _run(cfg: WorkerConfig) -> None:
     torch.multiprocessing._set_thread_name("pt_data_worker")
     torch.set_num_threads(1)
     keep_freed_memory()
-    for generator, state in cfg.generator_states:
-        generator.set_state(state)
     seed = _seed(cfg)
     dataset = cfg.dataset
     shared_rng = torch.Generator()

@@ -57,6 +57,34 @@ class JitterMap(IndexMap):
         return super().__getitem__(i)
 
 
+class EpochTagged(Dataset):
+    """Item i is (i, the dataset's epoch attribute as the worker sees it)."""
+
+    def __init__(self, n=8):
+        self.n = n
+        self.epoch = 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([i, self.epoch])
+
+
+class TaggingSampler(Sampler):
+    """Sequential, and each iteration moves its dataset's epoch on, in the main process."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __iter__(self):
+        self.dataset.epoch += 1
+        return iter(range(len(self.dataset)))
+
+
 class GeneratorMap(Dataset):
     """Each sample draws from a torch.Generator the dataset shares with the loader or its
     sampler: each worker draws from its own copy, taken when the worker was started."""

@@ -723,11 +723,25 @@ def test_leaves_arrive_as_torchs_transport_delivers_them():
                 (e[key].is_neg(), e[key].is_conj(), e[key].stride()), f"batch {b} {key}"
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_sampler_changing_the_dataset_when_it_starts(context):
+    """A sampler whose iteration sets the dataset's epoch (curriculum style): workers are
+    started before the first draw, so each epoch's workers see the epoch before it, as
+    torch's do."""
+    def epochs(cls):
+        dataset = D.EpochTagged()
+        loader = cls(dataset, batch_size=4, sampler=D.TaggingSampler(dataset), num_workers=2,
+                     multiprocessing_context=context)
+        return [list(loader) for _ in range(2)]
+
+    D.assert_same(epochs(TorchDataLoader), epochs(ShmDataLoader), "epochs")
+
+
 @pytest.mark.parametrize("where", ["loader", "batch-sampler"])
 def test_dataset_sharing_the_samplers_generator(where):
-    """Workers start as they are sent their first task, so the sampler has drawn from its
-    generator before worker 1 is forked. A dataset holding that generator must still find
-    it, in every worker, as torch's workers do: as it was before the epoch's first draw."""
+    """A dataset holding the sampler's generator finds it, in every worker, as torch's
+    workers do: as it was before the epoch's first draw (all workers are started before any
+    task is drawn)."""
     def make(cls):
         generator = torch.Generator().manual_seed(5)
         dataset = D.GeneratorMap(24, generator)

@@ -113,6 +113,21 @@ class _Zeros(torch.utils.data.Dataset):
         return torch.zeros(2 << 20)  # 8 MiB
 
 
+def test_own_workers_keep_the_batches_held_when_forked():
+    """A dataset that keeps earlier batches of its own loader (a replay buffer): the next
+    epoch's workers are forked while the parent holds them, and keep them while the parent
+    drops them and the loader refills their slots, as torch's workers keep theirs."""
+    holder = []
+    loader = DataLoader(_ReplayImages(holder), batch_size=4, num_workers=2,
+                        slot_bytes=1 << 16, num_slots=6)
+    holder += [batch for i, batch in enumerate(loader) if 2 <= i < 6]
+    want = [int(batch.sum()) for batch in holder]
+    it = iter(loader)  # the workers are forked holding the buffer
+    holder.clear()
+    got = [batch[:, 1].tolist() for batch in it]
+    assert [s for batch in got for s in batch] == [want[i % 4] for i in range(48)]
+
+
 def test_fork_while_a_thread_writes_a_held_batch_loses_no_write():
     """Before a fork the held slots become private memory. A thread that writes the batch
     meanwhile (torch lets go of the GIL in its kernels) must find every write it made in the
@@ -170,6 +185,23 @@ def test_batch_kept_after_its_loader_is_gone_keeps_only_its_slot(persistent):
     assert allocated() < ring.slot_bytes
 
 
+class _ReplayImages(torch.utils.data.Dataset):
+    """Images(48) until `holder` (a list of batches) has some; then item i is (i, the sum of
+    batch i % len(holder))."""
+
+    def __init__(self, holder):
+        self.holder = holder
+        self.images = Images(48)
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        if self.holder:
+            return torch.tensor([i, int(self.holder[i % len(self.holder)].sum())])
+        return self.images[i]
+
+
 class _Cached(torch.utils.data.Dataset):
     """Items are copies of the batches in `holder` (a list), read in the worker."""
 
@@ -201,38 +233,6 @@ def test_other_loaders_workers_keep_the_batches_held_when_forked():
             pass
     got = list(b)
     assert all(torch.equal(x, y) for x, y in zip(got, want)), "B's worker saw A's later batches"
-
-
-def test_each_worker_starts_with_its_first_task(monkeypatch):
-    """Worker 0 is sent its first task before worker 1 is forked, so that it works while the
-    training process forks the next one (milliseconds each); the ring, when one exists
-    already, reaches each worker first; every worker is running once iter() returns, even
-    one that has no task (torch starts them all)."""
-    from shmloader import _pool
-
-    events = []
-    start, write = _pool.WorkerPool._start, _pool.WorkerPool._write
-
-    def logged_start(self, ctx, fields):
-        events.append(("start", fields["worker_id"]))
-        start(self, ctx, fields)
-
-    def logged_write(self, worker_id, data, fds=None):
-        events.append((pickle.loads(data)[0], worker_id))
-        write(self, worker_id, data, fds)
-
-    monkeypatch.setattr(_pool.WorkerPool, "_start", logged_start)
-    monkeypatch.setattr(_pool.WorkerPool, "_write", logged_write)
-    loader = DataLoader(list(range(4)), batch_size=2, num_workers=3, prefetch_factor=1)
-    for epoch in range(2):  # the second iterator has the first one's ring from the start
-        events.clear()
-        it = iter(loader)
-        assert len(it._pool.pids) == 3
-        first = [("start", 0), ("task", 0), ("start", 1), ("task", 1), ("start", 2)]
-        if epoch:
-            first = [e for w in range(3) for e in (("start", w), ("ring", w), ("task", w))][:-1]
-        assert events == first
-        assert [b.tolist() for b in it] == [[0, 1], [2, 3]]
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
