@@ -19,8 +19,10 @@ references; nothing about the batch is pickled per batch.
 """
 from __future__ import annotations
 
+import io
 import math
 import pickle
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -136,6 +138,47 @@ def _flatten(sample):
     return collate([sample], collate_fn_map=_leaf_map(add)), leaves
 
 
+def _attributes(obj) -> dict:
+    """An object's instance attributes: its __dict__ and its __slots__ values
+    (collate's copy of a mapping keeps both)."""
+    found = dict(getattr(obj, "__dict__", None) or {})
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                found[name] = getattr(obj, name)
+    return found
+
+
+class _ByValue(pickle.Pickler):
+    """Pickles tensors as their dtype, shape and bytes: torch's own pickling
+    gives each a fresh serialization id, so equal tensors would differ."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor):
+            data = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            return tuple, ((str(obj.dtype), tuple(obj.shape), bytes(data.numpy())),)
+        return NotImplemented
+
+
+def _by_value(obj) -> bytes:
+    buffer = io.BytesIO()
+    _ByValue(buffer, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+def _same_attributes(got, want) -> bool:
+    if type(want) in (dict, list, tuple):
+        return True
+    a, b = _attributes(got), _attributes(want)
+    if not a and not b:
+        return True
+    try:  # by value: arrays, tensors, NaN and objects without __eq__ alike
+        return _by_value(a) == _by_value(b)
+    except Exception:  # noqa: BLE001 - attributes that cannot be compared differ
+        return False
+
+
 def _difference(got, want, path=""):
     """Where and how structure `got` differs from `want` (see _flatten), or
     None: the same container types, keys in the same order, the same lengths
@@ -145,23 +188,18 @@ def _difference(got, want, path=""):
         return f"{where} is a {type(got).__name__} where it was a {type(want).__name__}"
     if type(want) is _Field:
         return None if got == want else f"{where} moved"
-    if isinstance(want, dict) or hasattr(want, "keys"):
+    if isinstance(want, Mapping):
         if list(got.keys()) != list(want.keys()):
             return f"{where} has keys {list(got.keys())} where it had {list(want.keys())}"
         pairs = [(got[k], want[k], f"{path}[{k!r}]") for k in want.keys()]
-    elif isinstance(want, (list, tuple)):
+    elif isinstance(want, Sequence):
         if len(got) != len(want):
             return f"{where} has {len(got)} items where it had {len(want)}"
         pairs = [(g, w, f"{path}[{i}]") for i, (g, w) in enumerate(zip(got, want))]
     else:
         pairs = []
-    if getattr(got, "__dict__", None) is not None or getattr(want, "__dict__", None) is not None:
-        try:
-            same = bool(vars(got) == vars(want))
-        except Exception:  # noqa: BLE001 - attributes that cannot be compared differ
-            same = False
-        if not same:
-            return f"the attributes of {where} differ"
+    if not _same_attributes(got, want):
+        return f"the attributes of {where} differ"
     return next((d for d in (_difference(*p) for p in pairs) if d is not None), None)
 
 
@@ -220,6 +258,8 @@ class SampleLayout:
         before any byte is written."""
         structure, leaves = _flatten(sample)
         difference = _difference(structure, self._skeleton)
+        if difference is None and len(leaves) != len(self.dtypes):  # a container unseen above
+            difference = f"the sample has {len(leaves)} fields where it had {len(self.dtypes)}"
         if difference is not None:
             raise SampleLayoutError(
                 f"fetch='sample': {difference} in the loader's first sample; every sample "

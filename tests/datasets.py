@@ -6,6 +6,7 @@ are fed to torch's DataLoader and to shmloader.DataLoader, and the outputs are c
 `assert_same` / `canon`.
 """
 import collections
+import collections.abc
 import math
 import random
 import time
@@ -754,6 +755,34 @@ class MetaDict(dict):
 Pair = collections.namedtuple("Pair", "p q")
 
 
+class SlotsDict(dict):
+    """A dict whose attribute lives in __slots__ (no __dict__)."""
+
+    __slots__ = ("index",)
+
+
+class SlotsSequence(collections.abc.Sequence):
+    """A Sequence without __dict__, which collate rebuilds as a list."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items):
+        self.items = list(items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def __len__(self):
+        return len(self.items)
+
+
+class Settings:
+    """A plain object without __eq__."""
+
+
+SETTINGS = Settings()
+
+
 class StructureMap(Dataset):
     """Samples whose structure or leaves differ in ways a layout fixed by the first sample
     cannot show (odd samples differ from even ones unless said otherwise), by `kind`."""
@@ -793,6 +822,18 @@ class StructureMap(Dataset):
             return torch.quantize_per_tensor(t, 0.1, 0, torch.quint8)
         if kind == "bits8":
             return torch.full((2,), i, dtype=torch.uint8).view(torch.bits8)
+        if kind == "slots-sequence-shrinks":
+            return SlotsSequence([t] if odd else [t, t + 1])
+        if kind == "slots-attribute":
+            d = SlotsDict(x=t)
+            d.index = i
+            return d
+        if kind.startswith("same-attribute-"):  # equal in every sample: torch's batches
+            d = MetaDict(x=t)
+            d.meta = {"same-attribute-numpy": np.zeros(3), "same-attribute-nan": float("nan"),
+                      "same-attribute-tensor": torch.ones(2),
+                      "same-attribute-object": SETTINGS}[kind]
+            return d
         raise ValueError(kind)
 
 

@@ -11,6 +11,7 @@ fetched a sample: with fetch="sample" that differs from torch by design.
 """
 import functools
 import gc
+import math
 import os
 import re
 import signal
@@ -333,7 +334,8 @@ def test_layout_mismatch_is_that_batch_error(kind, assignment):
 
 STRUCTURE_KINDS = ["key-order", "other-key", "int-vs-list", "nesting", "tensor-vs-int",
                    "namedtuple-vs-tuple", "dict-attribute", "tensor-subclass",
-                   "numpy-negative-strides", "quantized", "bits8"]
+                   "numpy-negative-strides", "quantized", "bits8", "slots-sequence-shrinks",
+                   "slots-attribute"]
 # Leaves torch cannot batch at all: the same error as torch's, every batch.
 TORCH_REFUSES = {"numpy-negative-strides", "quantized", "bits8"}
 
@@ -363,6 +365,26 @@ def test_samples_unlike_the_first_never_give_other_data(kind):
                     f"batch {b}: a batch where torch raised {e}")
                 D.assert_same(e, g, f"{assignment} batch {b}")
         assert refused, "every sample fit the first one's layout: the case tests nothing"
+
+
+@pytest.mark.parametrize("kind", ["same-attribute-numpy", "same-attribute-nan",
+                                  "same-attribute-tensor", "same-attribute-object"])
+def test_container_attributes_equal_in_every_sample_are_torchs(kind):
+    """A dict subclass whose attribute is the same in every sample (an array, NaN, a tensor, a
+    shared object without __eq__) is what torch's batches carry: no error."""
+    dataset = D.StructureMap(kind)
+    expected = list(TorchDataLoader(dataset, batch_size=2, num_workers=2))
+    for assignment in ASSIGNMENTS:
+        got = list(ShmDataLoader(dataset, batch_size=2, num_workers=2, fetch="sample",
+                                 assignment=assignment))
+        assert len(got) == len(expected)
+        for e, g in zip(expected, got):
+            assert type(g) is type(e)
+            D.assert_same(dict(e), dict(g), assignment)
+            if kind == "same-attribute-nan":
+                assert math.isnan(g.meta)
+            elif kind != "same-attribute-object":
+                D.assert_same(e.meta, g.meta, "meta")
 
 
 def test_extra_field_is_that_batch_error():
