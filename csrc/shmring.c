@@ -256,6 +256,11 @@ void shmring_close_fds(shmring_t *r) {
     r->efd = -1;
 }
 
+void shmring_close_wakeup(shmring_t *r) {
+    if (r->efd >= 0) close(r->efd);
+    r->efd = -1;
+}
+
 void shmring_destroy(shmring_t *r) {
     shmring_close_fds(r);
     munmap(r->base, r->map_bytes);

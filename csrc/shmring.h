@@ -93,6 +93,10 @@ int shmring_attach(int fd, int efd, shmring_t **out);
 /* Close the handle's fds (idempotent); the mapping stays until destroy. */
 void shmring_close_fds(shmring_t *r);
 
+/* Close the wake-up eventfd only (idempotent), for a ring no producer will
+ * publish to again: shmring_wait then watches the caller's fds alone. */
+void shmring_close_wakeup(shmring_t *r);
+
 /* Unmap and free the handle. */
 void shmring_destroy(shmring_t *r);
 

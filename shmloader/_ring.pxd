@@ -30,6 +30,7 @@ cdef extern from "shmring.h" nogil:
     int shmring_create_named(const char *name, uint32_t nslots, uint64_t slot_bytes, shmring_t **out)
     int shmring_attach(int fd, int efd, shmring_t **out)
     void shmring_close_fds(shmring_t *r)
+    void shmring_close_wakeup(shmring_t *r)
     void shmring_destroy(shmring_t *r)
     uint32_t shmring_nslots(const shmring_t *r)
     uint64_t shmring_slot_bytes(const shmring_t *r)

@@ -244,11 +244,13 @@ cdef class Ring:
         """No worker will write this ring again (its loader is gone), but
         batches the user keeps may hold slots: give back the pages of the free
         slots now and of each held one when it is released, so a kept batch
-        keeps its own slot's memory, not the whole ring's.  Not for a ring
-        pinned with CUDA (its registration covers the pages)."""
+        keeps its own slot's memory, not the whole ring's (and one fd: the
+        wake-up eventfd goes).  Not for a ring pinned with CUDA (its
+        registration covers the pages)."""
         if self.release_hook is not None or getpid() != self._owner:
             return
         self._retired = True
+        shmring_close_wakeup(self._r)
         for slot in range(shmring_nslots(self._r)):
             if shmring_slot_state(self._r, slot) == SHMRING_FREE:
                 _check(shmring_slot_drop_pages(self._r, slot),

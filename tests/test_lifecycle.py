@@ -165,6 +165,8 @@ def test_batch_kept_after_its_loader_is_gone_keeps_only_its_slot(persistent):
     slot's memory in /dev/shm, as a torch batch keeps its own, not the whole ring's; once it
     goes, that memory goes too. (A persistent loader's iterator gives the ring up when it
     goes, with the loader.)"""
+    gc.collect()
+    fds_before = open_fds()
     loader = DataLoader(Images(16, shape=(1024, 1024)), batch_size=2, num_workers=2,
                         persistent_workers=persistent)
     for i, batch in enumerate(loader):
@@ -180,6 +182,7 @@ def test_batch_kept_after_its_loader_is_gone_keeps_only_its_slot(persistent):
     del loader, batch
     gc.collect()
     assert allocated() < 2 * ring.slot_bytes, "the loader's free slots kept their memory"
+    assert open_fds() == fds_before + 1, "the kept batch holds more than the segment fd"
     del kept
     gc.collect()
     assert allocated() < ring.slot_bytes
