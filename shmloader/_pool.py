@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import resource
 import signal
 import socket
 import struct
@@ -18,7 +19,7 @@ from multiprocessing.reduction import sendfds
 from pickle import PicklingError
 
 from ._warn import warn
-from ._worker import WorkerConfig, worker_loop
+from ._worker import NO_RING_FDS_EXIT, WorkerConfig, worker_loop
 
 # Like torch's MP_STATUS_CHECK_INTERVAL: how long shutdown waits for workers
 # to exit on their own before terminating them.
@@ -44,6 +45,11 @@ class WorkerDied(RuntimeError):
 
 def _exit_description(process) -> str:
     code = process.exitcode
+    if code == NO_RING_FDS_EXIT:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return (f"could not receive the ring's file descriptors: it had as many open files as "
+                f"its limit allows (RLIMIT_NOFILE, `ulimit -n`: {soft} here). Raise that "
+                "limit, or keep fewer batches of loaders that are gone (each keeps one open)")
     if code is not None and code < 0:
         try:
             name = signal.Signals(-code).name

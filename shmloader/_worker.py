@@ -49,6 +49,7 @@ are added once the ring exists; until then they are kept here.
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import random
 import select
@@ -147,8 +148,16 @@ class _Inbox:
             msg = self._conn.recv()
             if msg is not None and msg[0] == "ring":
                 # The fds follow the message in the stream: take them now.
-                with socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                    self.ring_fds = recvfds(s, 2)
+                try:
+                    with socket.fromfd(self._conn.fileno(), socket.AF_UNIX,
+                                       socket.SOCK_STREAM) as s:
+                        self.ring_fds = recvfds(s, 2)
+                except (RuntimeError, AssertionError) as e:  # the kernel dropped some
+                    raise _NoRingFds(str(e)) from e
+                except OSError as e:
+                    if e.errno not in (errno.EMFILE, errno.ENFILE):
+                        raise
+                    raise _NoRingFds(str(e)) from e
             else:
                 self._pending.append(msg)
             timeout = 0
@@ -255,6 +264,15 @@ class _Samples:
         return self._collate_fn([self.get(i, epoch, position + k) for k, i in enumerate(index)])
 
 
+# A worker's exit status when the ring's fds did not reach it (no room for more
+# open files): the main process names the cause (see _pool._exit_description).
+NO_RING_FDS_EXIT = 75
+
+
+class _NoRingFds(Exception):
+    """The ring's fds did not all arrive with their message."""
+
+
 def worker_loop(cfg: WorkerConfig) -> None:
     try:
         _run(cfg)
@@ -262,6 +280,10 @@ def worker_loop(cfg: WorkerConfig) -> None:
         pass  # the main process raises KeyboardInterrupt itself
     except (BrokenPipeError, ConnectionError, EOFError):
         _orphaned()
+    except _NoRingFds as e:
+        os.write(2, f"shmloader worker {cfg.worker_id}: the ring's file descriptors did not "
+                    f"arrive ({e}): too many open files.\n".encode())
+        os._exit(NO_RING_FDS_EXIT)
 
 
 def _orphaned() -> None:

@@ -1,6 +1,7 @@
 """Failures and cleanup (DESIGN.md contract 5): worker errors and deaths,
 timeouts, and that no worker or segment outlives the loader however the main
 process ends.  Anything that could hang runs under a hard timeout."""
+import functools
 import gc
 import os
 import pickle
@@ -272,6 +273,28 @@ def test_worker_killed_by_signal_names_pid_and_signal(signum):
 def test_worker_exit_names_exit_code():
     loader = DataLoader(Dying(64, at=20, signum=0), batch_size=2, num_workers=2)
     with pytest.raises(WorkerDied, match="exit code 1"):
+        list(loader)
+
+
+def _open_few_more_files(room, worker_id):
+    """worker_init_fn: this worker can open `room` more files (its fd limit is its lowest
+    free fd number plus that)."""
+    import resource
+
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free + room, hard))
+
+
+@pytest.mark.parametrize("room", [0, 1])
+def test_worker_out_of_file_descriptors_is_named(room):
+    """A worker that has no room for the ring's fds (too many open files: none at all, or
+    too few for the two fds, which the kernel then drops) exits, and the main process says
+    so and what to do, instead of a bare exit code."""
+    loader = DataLoader(Images(8), batch_size=2, num_workers=2, slot_bytes=1 << 16,
+                        worker_init_fn=functools.partial(_open_few_more_files, room))
+    with pytest.raises(WorkerDied, match=r"could not receive the ring's file descriptors.*ulimit -n"):
         list(loader)
 
 
