@@ -19,6 +19,7 @@ references; nothing about the batch is pickled per batch.
 """
 from __future__ import annotations
 
+import collections
 import io
 import math
 import pickle
@@ -139,20 +140,29 @@ def _flatten(sample):
 
 
 def _attributes(obj) -> dict:
-    """An object's instance attributes: its __dict__ and its __slots__ values
-    (collate's copy of a mapping keeps both)."""
-    found = dict(getattr(obj, "__dict__", None) or {})
+    """An object's instance attributes, as collate's copy of a mapping keeps
+    them: its __dict__ (unless that is the mapping itself, an "attribute
+    dict", whose items are compared as items), its __slots__ values and a
+    defaultdict's default_factory."""
+    own = getattr(obj, "__dict__", None)
+    found = dict(own) if own is not None and own is not obj else {}
     for cls in type(obj).__mro__:
         slots = cls.__dict__.get("__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{cls.__name__.lstrip('_')}{name}"  # as Python mangles it
             if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
                 found[name] = getattr(obj, name)
+    if isinstance(obj, collections.defaultdict):
+        found["default_factory"] = obj.default_factory
     return found
 
 
 class _ByValue(pickle.Pickler):
-    """Pickles tensors as their dtype, shape and bytes: torch's own pickling
-    gives each a fresh serialization id, so equal tensors would differ."""
+    """Pickles by value: tensors as their dtype, shape and bytes (torch's own
+    pickling gives each a fresh serialization id); used with no memo, so two
+    equal objects pickle alike, shared or not (a cyclic value then fails, and
+    counts as different; a set's order still counts)."""
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor):
@@ -163,7 +173,9 @@ class _ByValue(pickle.Pickler):
 
 def _by_value(obj) -> bytes:
     buffer = io.BytesIO()
-    _ByValue(buffer, pickle.HIGHEST_PROTOCOL).dump(obj)
+    pickler = _ByValue(buffer, pickle.HIGHEST_PROTOCOL)
+    pickler.fast = True
+    pickler.dump(obj)
     return buffer.getvalue()
 
 
@@ -189,8 +201,9 @@ def _difference(got, want, path=""):
     if type(want) is _Field:
         return None if got == want else f"{where} moved"
     if isinstance(want, Mapping):
-        if list(got.keys()) != list(want.keys()):
-            return f"{where} has keys {list(got.keys())} where it had {list(want.keys())}"
+        keys = list(got.keys())
+        if keys != list(want.keys()) or list(map(type, keys)) != list(map(type, want.keys())):
+            return f"{where} has keys {keys!r} where it had {list(want.keys())!r}"
         pairs = [(got[k], want[k], f"{path}[{k!r}]") for k in want.keys()]
     elif isinstance(want, Sequence):
         if len(got) != len(want):

@@ -776,6 +776,15 @@ class SlotsSequence(collections.abc.Sequence):
         return len(self.items)
 
 
+class MangledSlotsDict(dict):
+    """A dict whose attribute is a private (name-mangled) slot."""
+
+    __slots__ = ("__meta",)
+
+    def set(self, meta):
+        self.__meta = meta
+
+
 class Settings:
     """A plain object without __eq__."""
 
@@ -832,8 +841,19 @@ class StructureMap(Dataset):
             d = MetaDict(x=t)
             d.meta = {"same-attribute-numpy": np.zeros(3), "same-attribute-nan": float("nan"),
                       "same-attribute-tensor": torch.ones(2),
-                      "same-attribute-object": SETTINGS}[kind]
+                      "same-attribute-object": SETTINGS}.get(kind)
+            if kind == "same-attribute-shared":  # one tensor twice, or two equal ones
+                d.meta = torch.ones(2)
+                d.scale = d.meta if odd else torch.ones(2)
             return d
+        if kind == "mangled-slot-attribute":
+            d = MangledSlotsDict(x=t)
+            d.set(i)
+            return d
+        if kind == "defaultdict-factory":
+            return collections.defaultdict(list if odd else dict, x=t)
+        if kind == "key-types":
+            return {True: t} if odd else {1: t}
         raise ValueError(kind)
 
 

@@ -335,7 +335,8 @@ def test_layout_mismatch_is_that_batch_error(kind, assignment):
 STRUCTURE_KINDS = ["key-order", "other-key", "int-vs-list", "nesting", "tensor-vs-int",
                    "namedtuple-vs-tuple", "dict-attribute", "tensor-subclass",
                    "numpy-negative-strides", "quantized", "bits8", "slots-sequence-shrinks",
-                   "slots-attribute"]
+                   "slots-attribute", "mangled-slot-attribute", "defaultdict-factory",
+                   "key-types"]
 # Leaves torch cannot batch at all: the same error as torch's, every batch.
 TORCH_REFUSES = {"numpy-negative-strides", "quantized", "bits8"}
 
@@ -368,7 +369,8 @@ def test_samples_unlike_the_first_never_give_other_data(kind):
 
 
 @pytest.mark.parametrize("kind", ["same-attribute-numpy", "same-attribute-nan",
-                                  "same-attribute-tensor", "same-attribute-object"])
+                                  "same-attribute-tensor", "same-attribute-object",
+                                  "same-attribute-shared"])
 def test_container_attributes_equal_in_every_sample_are_torchs(kind):
     """A dict subclass whose attribute is the same in every sample (an array, NaN, a tensor, a
     shared object without __eq__) is what torch's batches carry: no error."""
@@ -385,6 +387,8 @@ def test_container_attributes_equal_in_every_sample_are_torchs(kind):
                 assert math.isnan(g.meta)
             elif kind != "same-attribute-object":
                 D.assert_same(e.meta, g.meta, "meta")
+            if kind == "same-attribute-shared":
+                D.assert_same(e.scale, g.scale, "scale")
 
 
 def test_extra_field_is_that_batch_error():
