@@ -223,8 +223,7 @@ def test_negative_and_conjugate_views_as_torch_collates_them(lazy):
     expected = each_next(TorchDataLoader(views, batch_size=3, num_workers=2))
     assert len(expected) == 2
     for assignment in ASSIGNMENTS:
-        got = each_next(ShmDataLoader(views, batch_size=3, num_workers=2, fetch="sample",
-                                      assignment=assignment))
+        got = each_next(sample_loader(assignment)(views, batch_size=3, num_workers=2))
         assert len(got) == 2
         for e, g in zip(expected, got):
             if isinstance(e, tuple):
@@ -350,8 +349,7 @@ def test_samples_unlike_the_first_never_give_other_data(kind):
     dataset = D.StructureMap(kind)
     expected = each_next(TorchDataLoader(dataset, batch_size=2, num_workers=2))
     for assignment in ASSIGNMENTS:
-        got = each_next(ShmDataLoader(dataset, batch_size=2, num_workers=2, fetch="sample",
-                                      assignment=assignment))
+        got = each_next(sample_loader(assignment)(dataset, batch_size=2, num_workers=2))
         assert len(got) == len(expected)
         refused = 0
         for b, (e, g) in enumerate(zip(expected, got)):
@@ -377,8 +375,7 @@ def test_container_attributes_equal_in_every_sample_are_torchs(kind):
     dataset = D.StructureMap(kind)
     expected = list(TorchDataLoader(dataset, batch_size=2, num_workers=2))
     for assignment in ASSIGNMENTS:
-        got = list(ShmDataLoader(dataset, batch_size=2, num_workers=2, fetch="sample",
-                                 assignment=assignment))
+        got = list(sample_loader(assignment)(dataset, batch_size=2, num_workers=2))
         assert len(got) == len(expected)
         for e, g in zip(expected, got):
             assert type(g) is type(e)
