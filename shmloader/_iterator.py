@@ -295,17 +295,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     def _draw(self):
         """The next batch's indices, from this epoch's sampler or, once that
         ran out, the prefetched epoch's."""
-        if self._prefetched is None:
-            return self._next_index()
-        if self._prefetched.failed:
-            raise StopIteration
-        try:
+        if self._prefetched is not None:
             return self._prefetched.draw(self._next_index)
-        except StopIteration:
-            raise
-        except Exception:  # noqa: BLE001 - the next iter() draws the epoch afresh and meets it
-            self._prefetched.failed = True
-            raise StopIteration from None
+        return self._next_index()
 
     def _start_next_epoch(self) -> bool:
         """prefetch_next_epoch: the sampler ran out; go on with the next
@@ -323,10 +315,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                                             self._num_workers, sampler_state(loader))
         self._progress.next_start = self._next_epoch_start
         self._prefetched = PrefetchedEpoch(weakref.proxy(loader), self._epoch)
-        try:
+        with contextlib.suppress(StopIteration):  # failed: the next draws stop at once
             self._sampler_iter = self._prefetched.draw(lambda: iter(self._index_sampler))
-        except Exception:  # noqa: BLE001 - met again, as torch meets it, at the next iter()
-            self._prefetched.failed = True
         self._position = 0
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         return True

@@ -68,7 +68,6 @@ class WorkerPool:
         self._tasks = []
         self._results = []
         self._exiting = set()
-        self._closed = False
         try:
             for fields in configs:
                 self._start(ctx, fields)
@@ -197,9 +196,6 @@ class WorkerPool:
         """Ask every worker to exit, wait a little, then terminate stragglers;
         with graceful=False (a worker died: the rest is abandoned) terminate
         at once."""
-        if self._closed:
-            return
-        self._closed = True
         for conn in self._tasks:
             try:
                 conn.send(None)

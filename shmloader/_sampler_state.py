@@ -85,13 +85,22 @@ class PrefetchedEpoch:
 
     def draw(self, fn):
         """fn() (a draw from the next epoch's sampler iterator), made in the
-        next epoch's configuration and invisible outside it."""
+        next epoch's configuration and invisible outside it.  A draw that
+        raises ends the prefetch (StopIteration, now and after): the next
+        iter() draws the epoch afresh and meets the error where torch does."""
+        if self.failed:
+            raise StopIteration
         try:
             for g, state in zip(self._generators, self._private_states):
                 g.set_state(state)
             for sampler, _, then in self._epochs:
                 sampler.set_epoch(then)
             return fn()
+        except StopIteration:
+            raise
+        except Exception:  # noqa: BLE001 - see above
+            self.failed = True
+            raise StopIteration from None
         finally:
             self._private_states = [g.get_state() for g in self._generators]
             for g, state in zip(self._generators, self._user_states):

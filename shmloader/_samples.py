@@ -10,10 +10,10 @@ the batch's tensor for that field is the region's first n rows: exactly the
 
 torch's default_collate also runs once on each of that sample's unusual tensor
 leaves (other dtypes or layouts), so that one torch cannot batch fails with
-torch's own error.  Workers flatten every later
-sample the same way (collate again, recording leaves), check that its
-structure is the first sample's (container types, keys in order, lengths) and
-each leaf against its field, and copy the leaves into their rows.  The
+torch's own error.  Workers flatten every later sample the same way (collate
+again, recording leaves), check that its structure is the first sample's
+(container types, keys in order, lengths, attributes) and each leaf against
+its field, and copy the leaves into their rows.  The
 main process turns the structure into a batch of views with _layout's slot
 references; nothing about the batch is pickled per batch.
 """
@@ -164,6 +164,10 @@ class _ByValue(pickle.Pickler):
     equal objects pickle alike, shared or not (a cyclic value then fails, and
     counts as different; a set's order still counts)."""
 
+    def __init__(self, file):
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self.fast = True  # no memo
+
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor):
             data = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
@@ -173,9 +177,7 @@ class _ByValue(pickle.Pickler):
 
 def _by_value(obj) -> bytes:
     buffer = io.BytesIO()
-    pickler = _ByValue(buffer, pickle.HIGHEST_PROTOCOL)
-    pickler.fast = True
-    pickler.dump(obj)
+    _ByValue(buffer).dump(obj)
     return buffer.getvalue()
 
 
@@ -299,10 +301,11 @@ class SampleLayout:
                 and leaf.layout == torch.strided and not leaf.requires_grad \
                 and not leaf.is_neg() and not leaf.is_conj():
             return leaf
-        if _leaf_kind(leaf) != kind:
+        got_kind = _leaf_kind(leaf)
+        if got_kind != kind:
             raise SampleLayoutError(
                 f"fetch='sample': field {self.names[i]} of this sample is a "
-                f"{_leaf_kind(leaf)}, but the first sample of the loader fixed it as a {kind}; "
+                f"{got_kind}, but the first sample of the loader fixed it as a {kind}; "
                 "every sample must match it (use fetch='batch' otherwise).")
         got_dtype, got_shape = _leaf_spec(leaf)
         if got_dtype is not dtype or tuple(got_shape) != tuple(shape):

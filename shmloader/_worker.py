@@ -152,10 +152,9 @@ class _Inbox:
                     with socket.fromfd(self._conn.fileno(), socket.AF_UNIX,
                                        socket.SOCK_STREAM) as s:
                         self.ring_fds = recvfds(s, 2)
-                except (RuntimeError, AssertionError) as e:  # the kernel dropped some
-                    raise _NoRingFds(str(e)) from e
-                except OSError as e:
-                    if e.errno not in (errno.EMFILE, errno.ENFILE):
+                except (RuntimeError, AssertionError, OSError) as e:
+                    # No fd left for the socket's dup, or the kernel dropped the fds.
+                    if isinstance(e, OSError) and e.errno not in (errno.EMFILE, errno.ENFILE):
                         raise
                     raise _NoRingFds(str(e)) from e
             else:
