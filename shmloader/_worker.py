@@ -66,7 +66,6 @@ import numpy.random  # noqa: F401  here, once: else every forked worker imports 
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import _DatasetKind, IterDataPipe
-from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
@@ -78,6 +77,7 @@ from ._resume import (STATE_BYTES, carries_state, plain_worker_state, restore_wo
 from ._ring import Ring
 from ._rings import SharedMemoryError, shm_full_message
 from ._samples import SampleLayout
+from ._worker_exit import exit_now, orphaned, set_exit_handlers
 from ._seeding import seed_sample
 
 NO_SLOT = -1  # every slot is held: use torch's transport
@@ -278,19 +278,11 @@ def worker_loop(cfg: WorkerConfig) -> None:
     except KeyboardInterrupt:
         pass  # the main process raises KeyboardInterrupt itself
     except (BrokenPipeError, ConnectionError, EOFError):
-        _orphaned()
+        orphaned()
     except _NoRingFds as e:
         os.write(2, f"shmloader worker {cfg.worker_id}: the ring's file descriptors did not "
                     f"arrive ({e}): too many open files.\n".encode())
-        os._exit(NO_RING_FDS_EXIT)
-
-
-def _orphaned() -> None:
-    """The main process is gone: leave at once.  Nothing here needs cleaning
-    up (the kernel closes the fds and unmaps the ring), and multiprocessing's
-    exit path could block: flushing stdio into a pipe nobody reads any more,
-    joining threads."""
-    os._exit(0)
+        exit_now(NO_RING_FDS_EXIT)
 
 
 def _watch_manager(manager_pid: int) -> None:
@@ -302,18 +294,18 @@ def _watch_manager(manager_pid: int) -> None:
         try:
             fd = os.pidfd_open(manager_pid)
         except ProcessLookupError:
-            _orphaned()
+            orphaned()
         except (AttributeError, OSError):
             fd = None
         while True:
             if fd is not None:
                 select.select([fd], [], [])
-                _orphaned()
+                orphaned()
             time.sleep(WATCHDOG_INTERVAL)
             try:
                 os.kill(manager_pid, 0)
             except ProcessLookupError:
-                _orphaned()
+                orphaned()
             except PermissionError:
                 pass
 
@@ -322,7 +314,7 @@ def _watch_manager(manager_pid: int) -> None:
 
 def _run(cfg: WorkerConfig) -> None:
     _watch_manager(cfg.manager_pid)
-    signal_handling._set_worker_signal_handlers()
+    set_exit_handlers()
     torch.multiprocessing._set_thread_name("pt_data_worker")
     torch.set_num_threads(1)
     keep_freed_memory()
@@ -372,7 +364,7 @@ def _run(cfg: WorkerConfig) -> None:
         msg = inbox.next()
         if msg is None:
             if inbox.manager_gone:
-                _orphaned()
+                orphaned()
             break
         kind = msg[0]
         if kind == "ring":

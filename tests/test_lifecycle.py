@@ -3,6 +3,7 @@ timeouts, and that no worker or segment outlives the loader however the main
 process ends.  Anything that could hang runs under a hard timeout."""
 import functools
 import gc
+import multiprocessing
 import os
 import pickle
 import signal
@@ -15,8 +16,9 @@ import pytest
 import torch
 
 from shmloader import DataLoader, WorkerDied
-from tests.datasets_lifecycle import Dying, Failing, Images, Sleepy
-from tests.procs import describe_stuck, open_fds, our_segments, own_children, wait_gone
+from tests.datasets_lifecycle import Dying, Failing, Images, Sleepy, WorkerTempDirs
+from tests.procs import (describe_stuck, open_fds, our_segments, own_children, wait_gone,
+                         wait_until)
 
 HANG = 60  # seconds after which a test counts as hung
 
@@ -298,6 +300,25 @@ def test_worker_out_of_file_descriptors_is_named(room):
         list(loader)
 
 
+def test_workers_stopped_after_a_death_leave_no_temp_dir(monkeypatch):
+    """The worker that outlives another's death is stopped; the temp dir it made (as
+    torch's fd sharing makes one) goes with it, as it does with torch's graceful stop.
+    (Torch's SIGCHLD handler raises at a random point when its worker dies, so torch's
+    loader cannot run this.)"""
+    # Workers inherit the main process's temp dir; without one they make their own.
+    monkeypatch.setitem(multiprocessing.process.current_process()._config, "tempdir", None)
+    loader = DataLoader(WorkerTempDirs(64, at=20), batch_size=2, num_workers=2)
+    batches = []
+    with pytest.raises(WorkerDied, match="exit code 1"):
+        for batch in loader:  # batch k is worker k % 2's; sample 20 is worker 0's
+            batches.append(batch)
+    survivors_dir = batches[1][1][0]
+    assert survivors_dir != batches[0][1][0]
+    del batch, batches
+    gc.collect()
+    assert wait_until(lambda: not os.path.exists(survivors_dir), 15), survivors_dir
+
+
 def test_worker_death_then_new_epoch_works():
     loader = DataLoader(Dying(64, at=20, signum=int(signal.SIGKILL)), batch_size=2,
                         num_workers=2, persistent_workers=True)
@@ -336,14 +357,16 @@ def test_many_iterators_do_not_grow_fds_or_children():
 # ---- the main process ends abruptly: a separate process we kill ----
 
 MAIN_SCRIPT = textwrap.dedent("""
-    import sys, time
+    import multiprocessing.util, sys, time
     from shmloader import DataLoader
-    from tests.datasets_lifecycle import Images
-    loader = DataLoader(Images(10**6), batch_size=4, num_workers=2, persistent_workers=True,
-                        multiprocessing_context=sys.argv[1])
+    from tests.datasets_lifecycle import WorkerTempDirs
+    loader = DataLoader(WorkerTempDirs(10**6), batch_size=4, num_workers=2,
+                        persistent_workers=True, multiprocessing_context=sys.argv[1])
     it = iter(loader)
-    next(it)
+    worker_dirs = {next(it)[1][0] for _ in range(2)}  # batch k is worker k % 2's
     print(" ".join(map(str, it._pool.pids)), flush=True)
+    # The temp dirs workers made (not inherited from this process: forkserver's).
+    print(" ".join(worker_dirs - {multiprocessing.util.get_temp_dir()}), flush=True)
     for _ in it:
         time.sleep(0.01)
 """)
@@ -359,6 +382,7 @@ def test_main_process_killed_workers_exit(context, signum):
         line = proc.stdout.readline()
         assert line, proc.stderr.read()
         pids = [int(p) for p in line.split()]
+        worker_dirs = proc.stdout.readline().split()
         os.kill(proc.pid, signum)
         proc.wait(HANG)
     finally:
@@ -367,6 +391,7 @@ def test_main_process_killed_workers_exit(context, signum):
     left = wait_gone(pids, 15)[0]
     assert left == [], describe_stuck(left)
     assert our_segments() == []
+    assert [d for d in worker_dirs if os.path.exists(d)] == []
 
 
 class _Unpicklable(Images):
