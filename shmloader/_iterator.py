@@ -59,10 +59,15 @@ RESERVE_REST_AFTER = 2
 
 class ShmLoaderIter(_BaseDataLoaderIter):
     def __init__(self, loader) -> None:
-        resume = loader._take_resume()
+        resume = loader._resume
         rng_before = torch.get_rng_state() if resume is not None and loader.generator is None \
             else None
         super().__init__(loader)
+        self._prefetch_factor = loader.prefetch_factor
+        if self._prefetch_factor <= 0:  # torch's check, after the same draws
+            raise AssertionError(
+                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
+        loader._take_resume()  # this iterator resumes it
         self._progress = loader._progress
         self._resume = resume
         self._replay = 0  # batches to fetch again and drop (see _resume_epoch)
@@ -72,10 +77,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         if resume is not None:
             self._base_seed = resume.settle_base_seed(loader, self._base_seed,
                                                       self._persistent_workers, rng_before)
-        self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         self._counters = loader._counters
-        self._options = loader._shm_options
+        self._handover = loader._ring_handover
         self._fetch = loader.fetch
         self._prefetch_next_epoch = loader.prefetch_next_epoch
         self._batch_size = loader.batch_size
@@ -92,7 +96,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._send_idx = 0
         self._arrivals = deque()
         self._row_errors = {}  # fetch="sample": task id -> {row: ExceptionWrapper}
-        self._nslots = self._options.num_slots or self._prefetch_factor * self._num_workers + SPARE_SLOTS
+        self._slot_bytes = loader.slot_bytes
+        self._nslots = loader.num_slots or self._prefetch_factor * self._num_workers + SPARE_SLOTS
         device = loader.device
         self._device_stage = _cuda.DeviceStage(device) if device is not None else None
         # Pin the ring itself (once) where batches go to a CUDA device.
@@ -136,10 +141,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._next_epoch_at = None  # epoch index of the next epoch's first task
         self._prefetched = None  # its PrefetchedEpoch
         if self._fetch == "sample":
-            if self._options.sample_layout is not None:
-                self._start_ring(self._options.sample_layout.slot_bytes)
+            if self._handover.sample_layout is not None:
+                self._start_ring(self._handover.sample_layout.slot_bytes)
         else:
-            slot_bytes = self._options.slot_bytes or self._options.learned_slot_bytes
+            slot_bytes = self._slot_bytes or self._handover.learned_slot_bytes
             if slot_bytes:
                 self._start_ring(slot_bytes)
         self._reset(loader, first_iter=True)
@@ -159,8 +164,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     # ---- ring -------------------------------------------------------------
 
     def _start_ring(self, slot_bytes: int) -> None:
-        slot_bytes = max(slot_bytes, self._options.slot_bytes or 0) + self._state_bytes
-        self._ring = self._options.take_spare_ring(self._nslots, slot_bytes)
+        slot_bytes = max(slot_bytes, self._slot_bytes or 0) + self._state_bytes
+        self._ring = self._handover.take_spare_ring(self._nslots, slot_bytes)
         if self._ring is None:
             self._ring = create_ring(self._nslots, slot_bytes)
             self._reserve_rest_in = RESERVE_REST_AFTER
@@ -175,7 +180,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                           "batches are pinned by torch's copy instead.")
         self._pool.send_ring(self._ring)
         if self._fetch == "sample":
-            self._pool.broadcast(("layout", self._options.sample_layout))
+            self._pool.broadcast(("layout", self._handover.sample_layout))
         self._counters.use_ring(self._ring, self._num_workers)
 
     def _learn_layout(self, task_id, index, epoch, position):
@@ -196,13 +201,13 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         if _kind(payload) == "error":
             return payload
         layout = payload[2]
-        if self._options.slot_bytes is not None and self._options.slot_bytes < layout.slot_bytes:
+        if self._slot_bytes is not None and self._slot_bytes < layout.slot_bytes:
             raise ValueError(
-                f"slot_bytes={self._options.slot_bytes} is too small for fetch='sample' "
+                f"slot_bytes={self._slot_bytes} is too small for fetch='sample' "
                 f"batches of {capacity} samples of {layout.sample_bytes} bytes each: "
                 f"{layout.slot_bytes} bytes are needed. Pass slot_bytes >= {layout.slot_bytes}, "
                 "or leave it None.")
-        self._options.sample_layout = layout
+        self._handover.sample_layout = layout
         self._start_ring(layout.slot_bytes)
         return None
     def _claim_slot(self) -> int:
@@ -431,13 +436,13 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         # An empty batch (a batch_sampler's) has no rows: one worker collates
         # it whole, failing as torch's collate does.
         rows = self._fetch == "sample" and len(index) > 0
-        if rows and self._options.sample_layout is None:
+        if rows and self._handover.sample_layout is None:
             error = self._learn_layout(task_id, index, epoch, position)
             if error is not None:
                 return error
             first_row = len(index)  # every row is the worker's that fetched it already
         slot = self._claim_slot()
-        if rows and slot >= 0 and len(index) <= self._options.sample_layout.capacity:
+        if rows and slot >= 0 and len(index) <= self._handover.sample_layout.capacity:
             self._ring.rows_begin(slot, task_id, len(index), first_row)
             self._pool.broadcast(("rows", task_id, slot, index, epoch, position, first_row))
         else:
@@ -535,12 +540,12 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         if kind == "row_error":
             self._row_errors.setdefault(msg[1], {})[msg[2]] = msg[3]
             return None
-        if kind == "batch" and msg[2] == "no_ring" and self._options.learned_slot_bytes is None:
+        if kind == "batch" and msg[2] == "no_ring" and self._handover.learned_slot_bytes is None:
             # The first batch sizes the ring, with headroom for batches that
             # vary a little; bigger ones spill.  The ring is made at the next
             # next() call, so that its prefaulting does not delay this batch.
             needed = msg[4]
-            self._options.learned_slot_bytes = needed + needed // 16 + 65536
+            self._handover.learned_slot_bytes = needed + needed // 16 + 65536
         return msg[1], msg
 
     def _get_data(self):
@@ -575,8 +580,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         return batch
 
     def _next_batch(self):
-        if self._ring is None and self._options.learned_slot_bytes is not None:
-            self._start_ring(self._options.learned_slot_bytes)
+        if self._ring is None and self._handover.learned_slot_bytes is not None:
+            self._start_ring(self._handover.learned_slot_bytes)
         end = self._send_idx if self._next_epoch_at is None else self._next_epoch_at
         while True:
             # Skip tasks of workers that became inactive without an answer.
@@ -653,7 +658,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             if not self._reserve_rest_in:
                 reserve_in_background(self._ring)
         if lease.meta_len == 0:  # filled row by row (fetch="sample")
-            meta = self._options.sample_layout.meta(lease.rows)
+            meta = self._handover.sample_layout.meta(lease.rows)
         else:
             meta = lease.meta()
         batch, fallback_leaves, samples, worker_state = _layout.loads(meta, lease)
@@ -694,7 +699,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             if self._loader_ref() is None:
                 retire(self._ring)
             else:
-                self._options.keep_spare_ring(self._ring)
+                self._handover.keep_spare_ring(self._ring)
             self._ring = None
 
     def __del__(self) -> None:

@@ -109,16 +109,18 @@ def reserve_in_background(ring: Ring) -> None:
 
 
 @dataclass
-class RingOptions:
-    """The loader's shmloader settings, and what its iterators pass on to the
-    next one: the slot size learned from the first batch and a ring whose
+class RingHandover:
+    """What a loader's iterators pass on to the next one: the slot size
+    learned from the first batch, fetch="sample"'s layout, and a ring whose
     workers have exited (so a new epoch does not prefault a new one)."""
 
-    slot_bytes: int | None
-    num_slots: int | None
     learned_slot_bytes: int | None = None
     sample_layout: SampleLayout | None = None  # fetch="sample", once probed
     spare_ring: Ring | None = None
+
+    def __getstate__(self):
+        # A copy of the loader (pickle, deepcopy) makes a ring of its own.
+        return {**self.__dict__, "spare_ring": None}
 
     def take_spare_ring(self, nslots: int, slot_bytes: int) -> Ring | None:
         ring, self.spare_ring = self.spare_ring, None

@@ -124,12 +124,22 @@ class Counters:
             return []
         return [self._ring.worker_read(i) for i in range(self._workers)]
 
-    def snapshot(self) -> LoaderStats:
+    def _totals(self):
         totals = [list(c) for c in self._retired]
         for i, counts in enumerate(self._live()):
             while len(totals) <= i:
                 totals.append([0, 0, 0, 0])
             totals[i] = [a + b for a, b in zip(totals[i], counts)]
+        return totals
+
+    def __getstate__(self):
+        # A copy of the loader (pickle, deepcopy) keeps the totals, not the ring.
+        state = {name: getattr(self, name) for name in self.__slots__}
+        state.update(_ring=None, _retired=self._totals())
+        return None, state
+
+    def snapshot(self) -> LoaderStats:
+        totals = self._totals()
         ring = self._ring
         return LoaderStats(
             **{name: getattr(self, name) for name in _COUNTED},

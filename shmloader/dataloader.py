@@ -13,7 +13,7 @@ from ._iterator import ShmLoaderIter
 from ._resume import Progress, Resume, check_state, state_dict
 from ._single import SingleProcessIter
 from ._ring import MAX_SLOTS
-from ._rings import RingOptions
+from ._rings import RingHandover
 from ._stats import Counters, LoaderStats
 
 
@@ -59,7 +59,7 @@ def _check_fetch(loader, fetch, assignment):
                 f"assignment={assignment!r} decides which worker fetches which sample and "
                 "applies to fetch='sample' only; with fetch='batch' workers take whole batches "
                 "in turn, as in torch.")
-        return fetch, None
+        return
     if loader._dataset_kind == _DatasetKind.Iterable:
         raise ValueError(
             "fetch='sample' needs a map-style dataset (samples fetched by index); an "
@@ -79,7 +79,6 @@ def _check_fetch(loader, fetch, assignment):
             "fetch='sample' writes each sample straight into its row of the batch, which is "
             "what the default collate_fn does; a custom collate_fn needs the whole batch at "
             "once. Use fetch='batch' with it, or drop collate_fn.")
-    return fetch, assignment or "interleaved"
 
 
 def _check_map_style(loader):
@@ -182,10 +181,12 @@ class DataLoader(torch.utils.data.DataLoader):
     ):
         _check_positive_int("slot_bytes", slot_bytes, upper=2**62)
         _check_positive_int("num_slots", num_slots, upper=MAX_SLOTS)
-        self._shm_options = RingOptions(slot_bytes, num_slots)
-        # A batch kept after its loader is gone keeps its own slot's memory,
-        # not the whole ring's (at interpreter exit everything goes anyway).
-        weakref.finalize(self, self._shm_options.retire_spare_ring).atexit = False
+        # Plain attributes, as torch's arguments are: code that rebuilds a
+        # loader from its attributes (Lightning, say) keeps them.
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self._ring_handover = RingHandover()
+        self._retire_ring_when_gone()
         self._counters = Counters()
         self._epochs_started = 0
         self._progress = Progress()
@@ -209,12 +210,35 @@ class DataLoader(torch.utils.data.DataLoader):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        self.fetch, self.assignment = _check_fetch(self, fetch, assignment)
-        self.seed_per_sample = _check_flag("seed_per_sample", seed_per_sample)
-        self.prefetch_next_epoch = _check_flag("prefetch_next_epoch", prefetch_next_epoch)
-        self.device = check_device(device)
-        _check_map_style(self)
+        self.fetch = fetch
+        self.assignment = assignment
+        self.seed_per_sample = seed_per_sample
+        self.prefetch_next_epoch = prefetch_next_epoch
+        self.device = device
+        self._check_options()
         self._warn_if_ring_too_small()
+
+    def _check_options(self) -> None:
+        """shmloader's options, at construction and again at each iter():
+        they, and torch's attributes they depend on (collate_fn, say), may be
+        set in between, as torch's may."""
+        _check_positive_int("slot_bytes", self.slot_bytes, upper=2**62)
+        _check_positive_int("num_slots", self.num_slots, upper=MAX_SLOTS)
+        _check_fetch(self, self.fetch, self.assignment)
+        _check_flag("seed_per_sample", self.seed_per_sample)
+        _check_flag("prefetch_next_epoch", self.prefetch_next_epoch)
+        self.device = check_device(self.device)
+        _check_map_style(self)
+
+    def _retire_ring_when_gone(self) -> None:
+        # A batch kept after its loader is gone keeps its own slot's memory,
+        # not the whole ring's (at interpreter exit everything goes anyway).
+        weakref.finalize(self, self._ring_handover.retire_spare_ring).atexit = False
+
+    def __setstate__(self, state):
+        # A copy (pickle, deepcopy, a spawned process's) starts without a ring.
+        self.__dict__.update(state)
+        self._retire_ring_when_gone()
 
     def _next_epoch(self) -> int:
         """Number the epoch an iterator starts (0, 1, ...): seed_per_sample's epoch."""
@@ -222,10 +246,12 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._epochs_started - 1
 
     def _warn_if_ring_too_small(self):
-        in_flight = self.prefetch_factor * self.num_workers if self.num_workers else 0
-        if self._shm_options.num_slots is not None and self._shm_options.num_slots < in_flight + 2:
+        if self.num_slots is None or self.num_workers == 0:  # no ring without workers
+            return
+        in_flight = self.prefetch_factor * self.num_workers
+        if self.num_slots < in_flight + 2:
             warnings.warn(
-                f"num_slots={self._shm_options.num_slots} cannot hold the "
+                f"num_slots={self.num_slots} cannot hold the "
                 f"prefetch_factor * num_workers = {in_flight} batches in flight plus the one "
                 "being yielded and the one your loop holds: some batches will travel by torch's "
                 f"(slower) transport. Use num_slots >= {in_flight + 2}, or leave it None.",
@@ -259,6 +285,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._epochs_started = state["epoch"]
 
     def _get_iterator(self):
+        self._check_options()
         if self.num_workers == 0:
             return SingleProcessIter(self)
         self.check_worker_number_rationality()

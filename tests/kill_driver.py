@@ -103,7 +103,7 @@ def main_ends(args):
             pass
     pids = list(it._pool.pids)
     emit("ready", pid=os.getpid(), workers=pids, workers_alive=[p for p in pids if alive(p)],
-         ring=it._ring is not None or loader._shm_options.spare_ring is not None)
+         ring=it._ring is not None or loader._ring_handover.spare_ring is not None)
     if args.how == "return":
         return
     if args.how == "exception":

@@ -7,6 +7,7 @@ keeping every batch alive (list(loader)), and records len(loader), the batches, 
 main process's global RNGs afterwards (same draws consumed) and the warnings torch emitted.
 """
 import collections
+import copy
 import functools
 import gc
 import inspect
@@ -691,6 +692,42 @@ def test_setting_frozen_attribute_raises_like_torch(attr):
             setattr(loader, attr, getattr(loader, attr))
         results.append((info.type, str(info.value)))
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("prefetch_factor", [0, None], ids=["zero", "none"])
+def test_prefetch_factor_set_after_construction_fails_like_torch(prefetch_factor):
+    """torch checks prefetch_factor when the workers' iterator starts (0 set later, or None
+    left from num_workers=0 when num_workers is set later)."""
+    results = []
+    for cls in (TorchDataLoader, ShmDataLoader):
+        loader = cls(D.IndexMap(6), batch_size=2, num_workers=2 if prefetch_factor == 0 else 0)
+        loader.num_workers, loader.prefetch_factor = 2, prefetch_factor
+        with pytest.raises(Exception) as info:
+            iter(loader)
+        results.append((info.type, str(info.value)))
+    assert results[0] == results[1], f"torch raised {results[0]}, shm raised {results[1]}"
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_loader_copied_after_an_epoch_like_torch(how, persistent):
+    """A loader that has run an epoch copies as torch's does: a non-persistent one into a
+    loader that yields the same batches, a persistent one (its live iterator) not at all."""
+    copy_ = (lambda x: pickle.loads(pickle.dumps(x))) if how == "pickle" else copy.deepcopy
+    results = []
+    for cls in (TorchDataLoader, ShmDataLoader):
+        loader = cls(D.TensorMap(10), batch_size=2, num_workers=2, persistent_workers=persistent)
+        first = list(loader)
+        if persistent:
+            with pytest.raises(NotImplementedError) as info:
+                copy_(loader)
+            results.append(info.value.args[0])
+        else:
+            results.append([first, list(copy_(loader)), list(loader)])
+    if persistent:
+        assert results[0] == results[1]
+    else:
+        D.assert_same(results[0], results[1], "batches")
 
 
 ATTR_CASES = {

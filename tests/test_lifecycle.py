@@ -175,7 +175,7 @@ def test_batch_kept_after_its_loader_is_gone_keeps_only_its_slot(persistent):
     for i, batch in enumerate(loader):
         if i == 6:  # past the batches that size the ring
             kept = batch[0, :4]
-    ring = loader._iterator._ring if persistent else loader._shm_options.spare_ring
+    ring = loader._iterator._ring if persistent else loader._ring_handover.spare_ring
     ring.reserve_all()  # what the background reservation does soon after the first batches
 
     def allocated():

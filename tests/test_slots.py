@@ -3,6 +3,7 @@ held, kept batches never deadlock, oversize batches spill whole, leaves that
 cannot live in a slot fall back, and bad sizes are clear errors."""
 import collections
 import gc
+import inspect
 import warnings
 
 import numpy as np
@@ -118,10 +119,10 @@ def test_slot_size_learned_from_first_batch():
     # prefetch_factor * num_workers sent before the first batch came back,
     # and the one dispatched while it is yielded (the ring is made after).
     assert stats.unsized_batches == 5
-    ring = loader._shm_options.spare_ring
+    ring = loader._ring_handover.spare_ring
     list(loader)  # a new iterator reuses the sized ring
     assert loader.stats().unsized_batches == 5
-    assert loader._shm_options.spare_ring is ring
+    assert loader._ring_handover.spare_ring is ring
 
 
 def test_fallback_leaves_travel_by_torch_and_are_counted():
@@ -178,7 +179,7 @@ def test_absurd_slot_bytes_is_clear_error_naming_bytes():
 @pytest.mark.parametrize("name,value", [("slot_bytes", 0), ("slot_bytes", -5), ("slot_bytes", 1.5),
                                         ("slot_bytes", True), ("num_slots", 0),
                                         ("num_slots", 10**6)])
-def test_bad_shm_options_rejected(name, value):
+def test_bad_ring_handover_rejected(name, value):
     with pytest.raises(ValueError, match=name):
         DataLoader(Images(8), batch_size=4, num_workers=2, **{name: value})
 
@@ -233,10 +234,10 @@ def test_non_persistent_iterators_reuse_one_ring():
         it = iter(loader)
         next(it)
         del it  # shut down with tasks in flight
-    ring = loader._shm_options.spare_ring
+    ring = loader._ring_handover.spare_ring
     assert ring is not None
     assert [torch.equal(b, e) for b, e in zip(loader, _expected(40, 4))] == [True] * 10
-    assert loader._shm_options.spare_ring is ring
+    assert loader._ring_handover.spare_ring is ring
     assert loader.stats().ring_full_batches == 0
 
 
@@ -288,3 +289,51 @@ def test_fewer_slots_than_in_flight_warns_and_still_delivers():
                             num_slots=2)
     got = list(iter(loader))
     assert [torch.equal(a, b) for a, b in zip(got, _expected(64, 4))] == [True] * 16
+
+
+def test_no_ring_no_warning_about_its_slots():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DataLoader(Images(8), batch_size=4, num_workers=0, num_slots=1)
+
+
+def _rebuilt(loader):
+    """The loader made again from its public attributes, as Lightning re-creates a user's
+    DataLoader (to put in a DistributedSampler, say)."""
+    attrs = {k: v for k, v in vars(loader).items() if not k.startswith("_")}
+    attrs["multiprocessing_context"] = loader.multiprocessing_context
+    params = inspect.signature(type(loader).__init__).parameters
+    kwargs = {k: v for k, v in attrs.items() if k in params and params[k].default is not v}
+    kwargs.update(dataset=loader.dataset, sampler=loader.sampler, shuffle=False,
+                  batch_sampler=None, batch_size=loader.batch_sampler.batch_size,
+                  drop_last=loader.batch_sampler.drop_last)
+    return type(loader)(**kwargs)
+
+
+def test_loader_rebuilt_from_its_attributes_keeps_every_option():
+    options = dict(slot_bytes=3 * SLOT, num_slots=7, fetch="sample", assignment="dynamic",
+                   seed_per_sample=True, persistent_workers=True, prefetch_next_epoch=True)
+    loader = DataLoader(Images(16), batch_size=4, num_workers=2, **options)
+    rebuilt = _rebuilt(loader)
+    assert {k: getattr(rebuilt, k) for k in options} == options
+    got = list(rebuilt)
+    assert [torch.equal(a, b) for a, b in zip(got, _expected(16, 4))] == [True] * 4
+    stats = rebuilt.stats()
+    assert (stats.ring_slots, stats.slot_bytes >= 3 * SLOT) == (7, True)
+
+
+def test_options_set_after_construction_apply_at_iter():
+    """As torch reads its attributes at iter(), so are shmloader's options read and checked
+    there (torch lets collate_fn be set at any time)."""
+    loader = DataLoader(Images(16), batch_size=4, num_workers=2, fetch="sample")
+    loader.collate_fn = lambda batch: batch
+    with pytest.raises(ValueError, match="a custom collate_fn needs the whole batch"):
+        iter(loader)
+    loader = DataLoader(Images(16), batch_size=4, num_workers=2)
+    loader.slot_bytes = -1
+    with pytest.raises(ValueError, match="slot_bytes should be a positive int"):
+        iter(loader)
+    loader.slot_bytes, loader.num_slots = SLOT, 9
+    got = list(loader)
+    assert [torch.equal(a, b) for a, b in zip(got, _expected(16, 4))] == [True] * 4
+    assert (loader.stats().ring_slots, loader.stats().slot_bytes >= SLOT) == (9, True)
