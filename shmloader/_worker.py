@@ -299,7 +299,11 @@ def _watch_manager(manager_pid: int) -> None:
             fd = None
         while True:
             if fd is not None:
-                select.select([fd], [], [])
+                # poll, not select: the fd may be above select's limit of 1024
+                # (a training process with many files open forks this worker).
+                gone = select.poll()
+                gone.register(fd, select.POLLIN)
+                gone.poll()
                 orphaned()
             time.sleep(WATCHDOG_INTERVAL)
             try:
