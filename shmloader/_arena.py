@@ -155,9 +155,10 @@ class Arena:
             view[...] = leaf
             # The dtype itself: its .str would drop a structured dtype's fields.
             return (_layout.NDARRAY, offset, leaf.dtype, view.shape, view.strides)
+        shared = False  # whether other leaves view its bytes too
         if self.owns(leaf):
-            leaf_ref = leaf
-        elif _storage_key(leaf := _as_torch_sends(leaf)) in self._shared \
+            leaf_ref = leaf  # stacked by SlotCollate, apart from every other leaf
+        elif (shared := _storage_key(leaf := _as_torch_sends(leaf)) in self._shared) \
                 or _spans_its_storage(leaf):
             leaf_ref = self._in_storage_copy(leaf)
         else:
@@ -173,7 +174,7 @@ class Arena:
         offset = leaf_ref.storage_offset() * leaf.dtype.itemsize
         stride = leaf_ref.stride()
         return (_layout.TENSOR, offset, leaf.dtype, tuple(leaf.shape), stride,
-                _layout.span_elements(leaf.shape, stride), leaf.requires_grad)
+                _layout.span_elements(leaf.shape, stride), leaf.requires_grad, not shared)
 
     def _in_storage_copy(self, leaf: torch.Tensor) -> torch.Tensor:
         """`leaf` as a view, with its own strides, of the slot's one copy of

@@ -661,7 +661,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             meta = self._handover.sample_layout.meta(lease.rows)
         else:
             meta = lease.meta()
-        batch, fallback_leaves, samples, worker_state = _layout.loads(meta, lease)
+        batch, fallback_leaves, samples, worker_state = _layout.loads(meta, lease,
+                                                                      not self._registered)
         counters.slot_batches += 1
         counters.fallback_leaves += fallback_leaves
         counters.samples += samples

@@ -5,13 +5,18 @@ is pickled with torch's ForkingPickler, except that every dense CPU tensor
 and numeric numpy array is replaced by a *slot reference*: where its bytes lie
 in the slot, its dtype, shape and strides.  The pickle is the metadata; the
 bytes never go through it.  On the consumer side the references become views
-of the slot.  Which leaves go into the slot, and how, is the placer's business
-(see _arena.py); this module only knows the reference format.
+of the slot, except small leaves that share their bytes with no other leaf
+(labels, ids, boxes: at most SMALL_LEAF_BYTES), which are copied out as they
+arrive, as cheaply as a view is made: kept (a list of labels for a metric,
+say), they would otherwise hold a whole slot each.  Which leaves go into the
+slot, and how, is the placer's business (see _arena.py); this module only
+knows the reference format.
 
 Each slot leaf is pickled as a call of _slot_leaf on its reference (a
 persistent id), so that the pickle memo keeps a leaf that occurs twice one
 object.  Reference tuples:
-    ("t", byte_offset, torch.dtype, shape, stride, span in elements, requires_grad)
+    ("t", byte_offset, torch.dtype, shape, stride, span in elements, requires_grad,
+     alone: no other leaf views its bytes)
     ("n", byte_offset, numpy dtype, shape, strides)
 """
 from __future__ import annotations
@@ -26,6 +31,8 @@ import torch
 
 TENSOR = "t"
 NDARRAY = "n"
+# Leaves up to this size (and alone on their bytes) are copied out of the slot.
+SMALL_LEAF_BYTES = 16384
 
 # A quantized dtype over raw bytes is a tensor with no quantizer: reading it
 # segfaults inside torch.  is_slot_tensor never places one, so a reference
@@ -154,14 +161,15 @@ class _RefUnpickler(pickle.Unpickler):
     (torch.frombuffer checks the span, Tensor.set_ the shape and strides over
     it; numpy's own extent check can overflow, so it is done here.)"""
 
-    def __init__(self, file, slot_buffer):
+    def __init__(self, file, slot_buffer, copy_small):
         super().__init__(file)
         self._buffer = slot_buffer
+        self._copy_small = copy_small
 
     def persistent_load(self, ref):
         kind = ref[0]
         if kind == TENSOR:
-            _, offset, dtype, shape, stride, count, requires_grad = ref
+            _, offset, dtype, shape, stride, count, requires_grad, alone = ref
             if type(dtype) is not torch.dtype or dtype in _QUANTIZED:
                 raise pickle.UnpicklingError(f"slot reference {ref!r} has no plain dtype")
             if offset % dtype.itemsize:  # a misaligned view: vector loads would fault
@@ -171,6 +179,12 @@ class _RefUnpickler(pickle.Unpickler):
                         type(n) is not int or n < 0 for n in stride):
                     raise pickle.UnpicklingError(f"slot reference {ref!r} has no bytes")
                 tensor = torch.empty_strided(shape, stride, dtype=dtype)  # its strides kept
+            elif alone and self._copy_small and count * dtype.itemsize <= SMALL_LEAF_BYTES:
+                # Over a bytearray: a storage that cannot be resized, as a view's
+                # (and torch's shared memory) cannot.
+                tensor = torch.frombuffer(bytearray(count * dtype.itemsize), dtype=dtype)
+                self._buffer.copy_to(offset, tensor.data_ptr(), count * dtype.itemsize)
+                tensor.set_(tensor.untyped_storage(), 0, shape, stride)
             else:
                 # A storage of exactly this leaf's bytes (torch.save and
                 # pickling of one leaf then carry that leaf only), holding the
@@ -184,8 +198,13 @@ class _RefUnpickler(pickle.Unpickler):
             if dtype.hasobject or offset % dtype.alignment or not _inside(
                     offset, shape, strides, dtype.itemsize, len(self._buffer)):
                 raise pickle.UnpicklingError(f"slot reference {ref!r} does not fit the slot")
-            return np.ndarray(shape, dtype=dtype, buffer=self._buffer,
-                              offset=offset, strides=strides)
+            array = np.ndarray(shape, dtype=dtype, buffer=self._buffer,
+                               offset=offset, strides=strides)
+            if self._copy_small and 0 < array.nbytes <= SMALL_LEAF_BYTES:
+                # It owns its data, as numpy's unpickling makes a small array (its
+                # strides are C or Fortran order's, which a copy keeps).
+                return array.copy(order="K")
+            return array
         raise pickle.UnpicklingError(f"unknown slot reference kind {kind!r}")
 
 
@@ -200,11 +219,13 @@ def _inside(offset, shape, strides, itemsize, size) -> bool:
     return 0 <= low and high <= size
 
 
-def loads(meta: bytes, slot_buffer):
-    """Rebuild a batch from its metadata, its leaves viewing `slot_buffer`.
-    Returns (batch, number of leaves that came through torch's pickling,
-    samples in the batch, the worker's state or None)."""
-    unpickler = _RefUnpickler(io.BytesIO(meta), slot_buffer)
+def loads(meta: bytes, slot_buffer, copy_small: bool = True):
+    """Rebuild a batch from its metadata, its leaves viewing `slot_buffer`
+    (small ones copied out of it, unless not copy_small: a pinned ring's
+    views are pinned memory).  Returns (batch, number of leaves that came
+    through torch's pickling, samples in the batch, the worker's state or
+    None)."""
+    unpickler = _RefUnpickler(io.BytesIO(meta), slot_buffer, copy_small)
     batch = unpickler.load()
     fallback_leaves, samples, worker_state = unpickler.load()
     return batch, fallback_leaves, samples, worker_state

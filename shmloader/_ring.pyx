@@ -353,6 +353,15 @@ cdef class SlotMemory:
                 f"of {self._size} bytes")
         return self._data[offset:offset + length]
 
+    def copy_to(self, uint64_t offset, uint64_t dst, uint64_t length):
+        """Copy [offset, offset + length) to address `dst` (a fresh CPU
+        tensor's data_ptr()), bounds-checked on the slot's side."""
+        if offset > <uint64_t>self._size or length > <uint64_t>self._size - offset:
+            raise ValueError(
+                f"range [{offset}, {offset}+{length}) lies outside slot {self.slot} "
+                f"of {self._size} bytes")
+        memcpy(<void *>dst, self._data + offset, length)
+
     def write(self, uint64_t offset, const unsigned char[::1] data):
         """Copy `data` to `offset`, bounds-checked."""
         cdef uint64_t n = data.shape[0]

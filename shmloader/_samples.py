@@ -341,4 +341,4 @@ class SampleLayout:
         dtype, shape = self.dtypes[i], (nrows, *self.shapes[i])
         stride = torch.empty(shape, dtype=dtype, device="meta").stride()
         count = nrows * self.row_bytes[i] // dtype.itemsize
-        return (_layout.TENSOR, self.offsets[i], dtype, shape, stride, count, False)
+        return (_layout.TENSOR, self.offsets[i], dtype, shape, stride, count, False, True)

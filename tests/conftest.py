@@ -4,6 +4,8 @@ import os
 import pytest
 from hypothesis import settings
 
+from shmloader import _layout
+
 # The property tests draw the same examples on every run unless asked not to, so that a
 # red CI run is the code's doing and reproducible, not the draw's.  A longer, random
 # hunt (the hang guard below must allow it the time): SHMLOADER_HYPOTHESIS_RANDOM=1
@@ -21,3 +23,11 @@ def _hang_guard():
     faulthandler.dump_traceback_later(HANG_TIMEOUT_S, exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture
+def views_only(monkeypatch):
+    """Every slot leaf a view, small ones too (none copied out: see _layout's
+    SMALL_LEAF_BYTES), for tests of what holding a batch does to its slot, whose small
+    test batches would otherwise arrive as copies that hold nothing."""
+    monkeypatch.setattr(_layout, "SMALL_LEAF_BYTES", 0)

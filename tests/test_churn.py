@@ -23,9 +23,15 @@ import os
 import random
 import time
 
+import pytest
+
 from shmloader import DataLoader
 from tests.datasets_lifecycle import Images
 from tests.procs import our_segments, own_children
+
+# Slots coming back while a batch is held is part of what is watched: small leaves stay
+# views.
+pytestmark = pytest.mark.usefixtures("views_only")
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 FD_SLACK = 2

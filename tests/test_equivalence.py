@@ -878,6 +878,29 @@ def test_sharing_within_a_batch_like_torch(shm_kw):
         D.assert_same(x, y, f"batch {b} after writing into x")
 
 
+def _numpy_collate(samples):
+    """Small and large numpy leaves, C- and Fortran-ordered."""
+    ids = np.array([i for i, _ in samples], dtype=np.int64)
+    values = np.stack([v.numpy() for _, v in samples])
+    return ids, np.asfortranarray(values), np.repeat(values, 2000, axis=1)
+
+
+def test_numpy_leaves_own_their_data_like_torch():
+    """Small arrays arrive owning their data (resize works), as numpy's unpickling makes
+    them; large ones may view memory they do not own, through either transport."""
+    def flags(cls, **kw):
+        loader = cls(D.IndexMap(12), batch_size=3, collate_fn=_numpy_collate, **W2, **kw)
+        return [[(a.flags.owndata, a.flags.writeable, a.flags.f_contiguous) for a in batch]
+                for batch in loader]
+
+    expected = flags(TorchDataLoader)
+    assert expected[0] == [(True, True, True), (True, True, True), (False, True, False)]
+    assert flags(ShmDataLoader, slot_bytes=1 << 20) == expected
+    for cls in (TorchDataLoader, ShmDataLoader):
+        ids = next(iter(cls(D.IndexMap(12), batch_size=3, collate_fn=_numpy_collate, **W2)))[0]
+        ids.resize(8, refcheck=False)  # only an array that owns its data can
+
+
 @pytest.mark.parametrize("make", [P(D.IndexMap, 5), P(D.TensorMap, 5)], ids=["tuple", "tensor"])
 def test_explicit_default_collate_without_batching_like_torch(make):
     """batch_size=None with collate_fn=default_collate: torch calls it on each sample, which

@@ -6,6 +6,7 @@ import gc
 import multiprocessing
 import os
 import pickle
+import resource
 import signal
 import subprocess
 import sys
@@ -19,6 +20,9 @@ from shmloader import DataLoader, WorkerDied
 from tests.datasets_lifecycle import Dying, Failing, Images, Sleepy, WorkerTempDirs
 from tests.procs import (describe_stuck, open_fds, our_segments, own_children, wait_gone,
                          wait_until)
+
+# Slots held by batches are what these tests are about: small leaves stay views.
+pytestmark = pytest.mark.usefixtures("views_only")
 
 HANG = 60  # seconds after which a test counts as hung
 
@@ -392,6 +396,43 @@ def test_main_process_killed_workers_exit(context, signum):
     assert left == [], describe_stuck(left)
     assert our_segments() == []
     assert [d for d in worker_dirs if os.path.exists(d)] == []
+
+
+WATCHED_SCRIPT = textwrap.dedent("""
+    import os, resource
+    from shmloader import DataLoader
+    from tests.datasets_lifecycle import Sleepy
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    files = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    it = iter(DataLoader(Sleepy(8, seconds=120), batch_size=2, num_workers=2))
+    print(" ".join(map(str, it._pool.pids)), flush=True)
+    next(it)
+""")
+
+
+def test_workers_leave_a_main_process_with_many_files_open_when_it_dies():
+    """A worker forked from a process with more than 1024 files open watches it through an
+    fd above select()'s limit; busy in __getitem__ when the process is killed, it leaves
+    at once all the same, and says nothing."""
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1200:
+        pytest.skip("needs a hard RLIMIT_NOFILE of 1200 or more")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", WATCHED_SCRIPT], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        pids = [int(p) for p in line.split()]
+        time.sleep(1)  # the workers are in __getitem__ (the watchdog thread has started)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(HANG)
+    finally:
+        proc.kill()
+        proc.wait()
+    left = wait_gone(pids, 15)[0]
+    assert left == [], describe_stuck(left)
+    assert "Traceback" not in proc.stderr.read()
 
 
 class _Unpicklable(Images):

@@ -403,6 +403,7 @@ _NP_DTYPE_VALUES = st.one_of(
 _FIELD_VALUES = {
     ("t", 1): _INTS, ("t", 2): _TORCH_DTYPE_VALUES, ("t", 3): _SHAPES, ("t", 4): _SHAPES,
     ("t", 5): _INTS, ("t", 6): st.one_of(st.booleans(), _JUNK),
+    ("t", 7): st.one_of(st.booleans(), _JUNK),
     ("n", 1): _INTS, ("n", 2): _NP_DTYPE_VALUES, ("n", 3): _SHAPES, ("n", 4): _SHAPES,
 }
 # Shape and strides of one length, small or huge dimensions and strides of any sign.
@@ -416,10 +417,11 @@ _CRAFTED_REFS = st.one_of(
     _JUNK_NOT_NONE, _INTS,
     st.tuples(st.sampled_from(["t", "n", "x", "", "T"])),
     st.builds(lambda *f: ("t", *f), _INTS, _TORCH_DTYPE_VALUES, _SHAPES, _SHAPES, _INTS,
-              st.booleans()),
+              st.booleans(), st.booleans()),
     st.builds(lambda *f: ("n", *f), _INTS, _NP_DTYPE_VALUES, _SHAPES, _SHAPES),
-    st.builds(lambda off, dt, ss, count, rg: ("t", off, dt, *ss, count, rg),
-              _INTS, st.sampled_from(TORCH_DTYPES), _SHAPE_STRIDES, _INTS, st.booleans()),
+    st.builds(lambda off, dt, ss, count, rg, alone: ("t", off, dt, *ss, count, rg, alone),
+              _INTS, st.sampled_from(TORCH_DTYPES), _SHAPE_STRIDES, _INTS, st.booleans(),
+              st.booleans()),
     st.builds(lambda off, dt, ss: ("n", off, dt, *ss),
               _INTS, _NP_DTYPE_VALUES, _SHAPE_STRIDES),
     st.lists(_INTS, max_size=8).map(lambda xs: ("t", *xs)),
@@ -427,7 +429,7 @@ _CRAFTED_REFS = st.one_of(
 )
 
 _REF_EDIT = st.one_of(  # the new field value is drawn when applied (it depends on the kind)
-    st.tuples(st.just("field"), st.integers(0, 50), st.integers(1, 6)),
+    st.tuples(st.just("field"), st.integers(0, 50), st.integers(1, 7)),
     st.tuples(st.just("whole"), st.integers(0, 50), _CRAFTED_REFS),
 )
 _BYTE_EDIT = st.one_of(
@@ -569,7 +571,9 @@ def _child(metas, lease, wfd, quiet):
         for i, meta in enumerate(metas):
             os.write(wfd, f"start {i}\n".encode())
             try:
-                out = _layout.loads(meta, lease)
+                # Views only, which must lie in the slot (small leaves' copies are
+                # made from bytes that must: see test_small_leaf_copies_stay_in_the_slot).
+                out = _layout.loads(meta, lease, copy_small=False)
             except Exception as e:  # noqa: BLE001 - any ordinary exception is a fine answer
                 status = f"exception {type(e).__name__}"
             except BaseException as e:  # noqa: BLE001
@@ -718,7 +722,7 @@ def _decode_and_read(meta, lease, index):
         code = 1
         try:
             faulthandler.disable()  # the crash is expected: no "Fatal Python error" noise
-            out, *_ = _layout.loads(meta, lease)
+            out, *_ = _layout.loads(meta, lease, copy_small=False)
             repr(out[0][index])
             code = 0
         finally:
@@ -773,13 +777,13 @@ def test_decoder_refuses_ndarray_stride_overflow_reference(lease_of):
 
 def test_decoder_refuses_zero_count_tensor_reference(lease_of):
     # K3: count == 0 took the empty-tensor branch (torch.empty(shape)) whatever the shape.
-    _decode_and_touch(_one_ref_meta(("t", 0, torch.float32, (1000,), (1,), 0, False)),
+    _decode_and_touch(_one_ref_meta(("t", 0, torch.float32, (1000,), (1,), 0, False, True)),
                       lease_of())
 
 
 def test_decoder_refuses_quantized_tensor_reference(lease_of):
     # K4: a quantized dtype over slot bytes has no quantizer; reading it segfaulted.
-    meta = _one_ref_meta(("t", 0, torch.qint8, (1,), (1,), 1, False))
+    meta = _one_ref_meta(("t", 0, torch.qint8, (1,), (1,), 1, False, True))
     lease = lease_of()
     assert _decode_and_read(meta, lease, 0) in ("exit 0", "exit 1")
     _decode_and_touch(meta, lease)

@@ -7,6 +7,7 @@ import random
 import secrets
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -315,10 +316,36 @@ def test_misaligned_slot_reference_is_refused():
     slot = ring.claim()
     ring.publish(slot, 1, 0, 0)
     lease = ring.acquire()
-    bad = _layout.dumps([torch.zeros(1, dtype=torch.complex128)],
-                        lambda leaf: ("t", 1, torch.complex128, (1,), (1,), 1, False), 1)
+    bad = _layout.dumps([torch.zeros(1, dtype=torch.complex128)], lambda leaf: (
+        "t", 1, torch.complex128, (1,), (1,), 1, False, True), 1)
     with pytest.raises(pickle.UnpicklingError, match="not aligned"):
         _layout.loads(bad, lease)
-    good = _layout.dumps([torch.zeros(1, dtype=torch.complex128)],
-                         lambda leaf: ("t", 64, torch.complex128, (1,), (1,), 1, False), 1)
+    good = _layout.dumps([torch.zeros(1, dtype=torch.complex128)], lambda leaf: (
+        "t", 64, torch.complex128, (1,), (1,), 1, False, True), 1)
     assert _layout.loads(good, lease)[0][0].dtype == torch.complex128
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["copy", "view"])
+def test_small_leaf_reference_reads_only_its_slot(alone):
+    """A small leaf alone on its bytes is copied out of its slot, and a leaf sharing them is
+    a view: either holds the slot's bytes, and a reference reaching past the slot is an
+    error, not a read."""
+    from shmloader import _layout
+
+    ring = Ring.create_in("/dev/shm", 1, 4096)
+    slot = ring.claim()
+    ring.publish(slot, 1, 0, 0)
+    lease = ring.acquire()
+    np.frombuffer(lease, dtype=np.uint8)[:] = np.arange(4096) % 251
+
+    def meta(offset):
+        return _layout.dumps([torch.zeros(1)], lambda leaf: (
+            "t", offset, torch.uint8, (2, 4), (1, 2), 8, False, alone), 1)
+
+    leaf = _layout.loads(meta(64), lease)[0][0]
+    assert leaf.stride() == (1, 2)
+    assert leaf.flatten().tolist() == [(64 + 2 * j + i) % 251 for i in range(2) for j in range(4)]
+    start = ring.data_address
+    assert (start <= leaf.data_ptr() < start + ring.data_bytes) == (not alone)
+    with pytest.raises(ValueError):
+        _layout.loads(meta(4090), lease)

@@ -5,13 +5,18 @@ import collections
 import gc
 import inspect
 import warnings
+import weakref
 
 import numpy as np
 import pytest
 import torch
 
-from shmloader import DataLoader, SharedMemoryError
+from shmloader import DataLoader, SharedMemoryError, _layout
 from tests.datasets_lifecycle import Images
+
+# Slots held by batches are what these tests are about: small leaves stay views.
+pytestmark = pytest.mark.usefixtures("views_only")
+SMALL_LEAF_BYTES = _layout.SMALL_LEAF_BYTES  # the real threshold, for the test of it
 
 SLOT = 1 << 16
 Pair = collections.namedtuple("Pair", "image meta")
@@ -337,3 +342,26 @@ def test_options_set_after_construction_apply_at_iter():
     got = list(loader)
     assert [torch.equal(a, b) for a, b in zip(got, _expected(16, 4))] == [True] * 4
     assert (loader.stats().ring_slots, loader.stats().slot_bytes >= SLOT) == (9, True)
+
+
+def test_kept_small_leaves_hold_no_slot(monkeypatch):
+    """Labels kept for a metric (the small leaf of each batch) are copies: they hold no
+    slot, so the ring keeps delivering (no batch by torch's transport, no warning), and
+    once the loader is gone its ring goes, though the labels stay."""
+    monkeypatch.setattr(_layout, "SMALL_LEAF_BYTES", SMALL_LEAF_BYTES)
+    data = [(torch.full((3, 32, 32), i, dtype=torch.uint8), i) for i in range(64)]
+    loader = DataLoader(data, batch_size=8, num_workers=2, slot_bytes=SLOT, num_slots=6)
+    labels = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "all ring slots are in use" would fail here
+        it = iter(loader)
+        for images, y in it:
+            start = it._ring.data_address
+            assert start <= images.data_ptr() < start + it._ring.data_bytes  # a view
+            labels.append(y)
+    assert torch.equal(torch.cat(labels), torch.arange(64))
+    assert loader.stats().slot_batches == loader.stats().batches == 8
+    ring = weakref.ref(loader._ring_handover.spare_ring)
+    del loader, it, images, y
+    gc.collect()
+    assert ring() is None

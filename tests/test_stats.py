@@ -12,6 +12,9 @@ from shmloader import DataLoader, LoaderStats
 from tests import datasets as D
 from tests.datasets_lifecycle import Images
 
+# Slots held by batches are what these tests are about: small leaves stay views.
+pytestmark = pytest.mark.usefixtures("views_only")
+
 P = functools.partial
 SLOT = 1 << 16  # holds any batch below: a ring from the start, every batch through it
 
