@@ -12,9 +12,8 @@ say), they would otherwise hold a whole slot each.  Which leaves go into the
 slot, and how, is the placer's business (see _arena.py); this module only
 knows the reference format.
 
-Each slot leaf is pickled as a call of _slot_leaf on its reference (a
-persistent id), so that the pickle memo keeps a leaf that occurs twice one
-object.  Reference tuples:
+Each slot leaf is pickled as a call of _slot_leaf on its reference, so that
+the pickle memo keeps a leaf that occurs twice one object.  Reference tuples:
     ("t", byte_offset, torch.dtype, shape, stride, span in elements, requires_grad,
      alone: no other leaf views its bytes)
     ("n", byte_offset, numpy dtype, shape, strides)
@@ -57,19 +56,15 @@ def is_slot_ndarray(obj) -> bool:
     return type(obj) is np.ndarray and not obj.dtype.hasobject
 
 
-def _slot_leaf(view):
-    """Unpickling a slot leaf: the view persistent_load made of it.  Leaves
-    go through this reduce so that the pickle memo makes a leaf that occurs
-    twice in a batch one object, as torch's pickling does."""
-    return view
-
-
-class _Placed:
-    """A slot leaf's reference, which the pickle holds as a persistent id."""
-    __slots__ = ("ref",)
-
-    def __init__(self, ref):
-        self.ref = ref
+def _slot_leaf(ref):
+    """A slot leaf is pickled as a call of this on its reference; the
+    unpickler (see _RefUnpickler.find_class) calls its own in its place, which
+    makes the leaf.  Going through a reduce lets the pickle memo keep a leaf
+    that occurs twice in a batch one object, as torch's pickling does; and
+    unlike a persistent_id hook, which the pickler would call for every
+    object of a batch (each int of a list of them), reducer_override is not
+    called for plain ints, floats, strings, lists, tuples and dicts."""
+    raise pickle.UnpicklingError(f"slot reference {ref!r} outside a slot's metadata")
 
 
 class _RefPickler(ForkingPickler):
@@ -82,12 +77,9 @@ class _RefPickler(ForkingPickler):
         self._place = place
         self.fallback_leaves = 0
 
-    def persistent_id(self, obj):
-        return obj.ref if type(obj) is _Placed else None
-
     def reducer_override(self, obj):
         if is_slot_tensor(obj) or is_slot_ndarray(obj):
-            return _slot_leaf, (_Placed(self._place(obj)),)
+            return _slot_leaf, (self._place(obj),)
         if isinstance(obj, (torch.Tensor, np.ndarray)):
             # CUDA, sparse, nested, subclass or object arrays: torch's own
             # pickling path carries them.
@@ -110,7 +102,11 @@ def dumps(batch, place, samples: int, worker_state: bytes | None = None) -> byte
 class _TemplatePickler(pickle.Pickler):
     def __init__(self, file, ref_of):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
-        self.persistent_id = ref_of
+        self._ref_of = ref_of
+
+    def reducer_override(self, obj):
+        ref = self._ref_of(obj)
+        return NotImplemented if ref is None else (_slot_leaf, (ref,))
 
 
 def dumps_refs(structure, ref_of, samples: int) -> bytes:
@@ -156,17 +152,31 @@ def span_elements(shape, stride) -> int:
 
 
 class _RefUnpickler(pickle.Unpickler):
+    def __init__(self, file, slot_buffer, copy_small):
+        super().__init__(file)
+        # Not a method of this unpickler: its memo keeps what find_class
+        # returns, and a bound method would make a cycle that keeps the
+        # batch's leaves (and so its slot) alive until the garbage collector.
+        self._make_leaf = _LeafMaker(slot_buffer, copy_small)
+
+    def find_class(self, module, name):
+        if name == "_slot_leaf" and module == __name__:
+            return self._make_leaf
+        return super().find_class(module, name)
+
+
+class _LeafMaker:
     """Turns slot references back into views, refusing any that would not lie
     wholly inside the slot: a corrupted slot is an error, never a wild read.
     (torch.frombuffer checks the span, Tensor.set_ the shape and strides over
     it; numpy's own extent check can overflow, so it is done here.)"""
+    __slots__ = ("_buffer", "_copy_small")
 
-    def __init__(self, file, slot_buffer, copy_small):
-        super().__init__(file)
+    def __init__(self, slot_buffer, copy_small):
         self._buffer = slot_buffer
         self._copy_small = copy_small
 
-    def persistent_load(self, ref):
+    def __call__(self, ref):
         kind = ref[0]
         if kind == TENSOR:
             _, offset, dtype, shape, stride, count, requires_grad, alone = ref

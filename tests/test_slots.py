@@ -365,3 +365,18 @@ def test_kept_small_leaves_hold_no_slot(monkeypatch):
     del loader, it, images, y
     gc.collect()
     assert ring() is None
+
+
+def test_dropped_batch_gives_its_slot_back_without_the_garbage_collector():
+    """Nothing of the decoding keeps a batch alive in a reference cycle: with the garbage
+    collector off, a batch's slot is free again as soon as the batch is dropped."""
+    loader = DataLoader(Images(64), batch_size=4, num_workers=2, slot_bytes=SLOT,
+                        collate_fn=lambda batch: {"images": torch.stack(batch)})
+    gc.disable()
+    try:
+        for batch in loader:
+            assert batch["images"].shape == (4, 3, 8, 8)
+    finally:
+        gc.enable()
+    stats = loader.stats()
+    assert (stats.ring_full_batches, stats.slot_batches) == (0, 16)
