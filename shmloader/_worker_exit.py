@@ -2,14 +2,15 @@
 
 multiprocessing's exit handlers remove the temp dir a process made (torch's fd
 sharing makes one, for a socket, once a batch goes by torch's transport).  An
-os._exit or a signal skips them, and every such exit would leave a
-/tmp/pymp-* behind; so those ways out remove it themselves.
+os._exit skips them, and every such exit would leave a /tmp/pymp-* behind; so
+those ways out remove it themselves.  (SIGTERM stays torch's: its C handler
+ends the worker at once, even inside a long C call, which a Python handler
+could not; a worker stopped that way leaves its dir, as torch's does.)
 """
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 from multiprocessing import process
 
 from torch.utils.data._utils import signal_handling
@@ -24,12 +25,12 @@ def _temp_dir():
 
 
 def set_exit_handlers() -> None:
-    """torch's fatal-signal handlers (a message for SIGSEGV, SIGBUS, SIGFPE),
-    then SIGTERM's: the temp dir first."""
+    """torch's signal handlers (a message for SIGSEGV, SIGBUS, SIGFPE; a
+    SIGTERM from the main process exits quietly), and note the temp dir
+    inherited."""
     global _inherited_temp_dir
     _inherited_temp_dir = _temp_dir()
     signal_handling._set_worker_signal_handlers()
-    signal.signal(signal.SIGTERM, _terminated)
 
 
 def remove_own_temp_dir() -> None:
@@ -49,14 +50,3 @@ def orphaned() -> None:
 def exit_now(status: int) -> None:
     remove_own_temp_dir()
     os._exit(status)
-
-
-def _terminated(signum, frame) -> None:
-    """SIGTERM (the main process stops workers with it when another died, or
-    when they do not exit in time): remove the temp dir, then die of the
-    signal through torch's handler, as without this one.  (Only the status a
-    SIGTERM from the main process leaves differs: torch's handler makes it 0,
-    which only the main process sees, and it is stopping the worker.)"""
-    remove_own_temp_dir()
-    signal_handling._set_worker_signal_handlers()
-    os.kill(os.getpid(), signum)

@@ -21,16 +21,6 @@ def wait_gone(pids, limit: float):
     return sorted(p for p in pids if alive(p)), round(time.monotonic() - start, 3)
 
 
-def wait_until(condition, limit: float) -> bool:
-    """Whether condition() came true within `limit` s."""
-    deadline = time.monotonic() + limit
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
