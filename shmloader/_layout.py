@@ -32,6 +32,9 @@ TENSOR = "t"
 NDARRAY = "n"
 # Leaves up to this size (and alone on their bytes) are copied out of the slot.
 SMALL_LEAF_BYTES = 16384
+# numpy's unpickling copies an array of up to this many bytes (it then owns its
+# data); a larger one keeps the pickle's bytes as its base.
+NUMPY_OWNS_UP_TO = 1000
 
 # A quantized dtype over raw bytes is a tensor with no quantizer: reading it
 # segfaults inside torch.  is_slot_tensor never places one, so a reference
@@ -210,12 +213,29 @@ class _LeafMaker:
                 raise pickle.UnpicklingError(f"slot reference {ref!r} does not fit the slot")
             array = np.ndarray(shape, dtype=dtype, buffer=self._buffer,
                                offset=offset, strides=strides)
-            if self._copy_small and 0 < array.nbytes <= SMALL_LEAF_BYTES:
-                # It owns its data, as numpy's unpickling makes a small array (its
-                # strides are C or Fortran order's, which a copy keeps).
-                return array.copy(order="K")
-            return array
+            return self._as_unpickled(array) if self._copy_small else array
         raise pickle.UnpicklingError(f"unknown slot reference kind {kind!r}")
+
+    @staticmethod
+    def _as_unpickled(array):
+        """A numpy leaf as numpy's unpickling (torch's transport) makes it,
+        where that is not a view of the slot: in the native byte order, and
+        a copy that owns its data up to NUMPY_OWNS_UP_TO bytes, and above that,
+        up to SMALL_LEAF_BYTES, a copy over a buffer it does not own.  (The
+        arena places arrays in C or Fortran order, which a copy keeps.)"""
+        if not array.dtype.isnative:
+            return array.astype(array.dtype.newbyteorder("="))
+        if array.size == 0:  # its strides kept (a copy would zero them), and no slot held
+            return np.ndarray(array.shape, array.dtype, buffer=bytearray(0),
+                              strides=array.strides)
+        if array.nbytes <= NUMPY_OWNS_UP_TO:
+            return array.copy(order="K")
+        if array.nbytes > SMALL_LEAF_BYTES:
+            return array
+        order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+        copy = np.ndarray(array.shape, array.dtype, buffer=bytearray(array.nbytes), order=order)
+        copy[...] = array
+        return copy
 
 
 def _inside(offset, shape, strides, itemsize, size) -> bool:

@@ -879,23 +879,25 @@ def test_sharing_within_a_batch_like_torch(shm_kw):
 
 
 def _numpy_collate(samples):
-    """Small and large numpy leaves, C- and Fortran-ordered."""
+    """numpy leaves of every size class, C- and Fortran-ordered, big-endian, empty."""
     ids = np.array([i for i, _ in samples], dtype=np.int64)
     values = np.stack([v.numpy() for _, v in samples])
-    return ids, np.asfortranarray(values), np.repeat(values, 2000, axis=1)
+    return (ids, np.asfortranarray(values), np.repeat(values, 60, axis=1),
+            np.repeat(values, 2000, axis=1), ids.astype(">i4"), np.zeros((0, 3)))
 
 
-def test_numpy_leaves_own_their_data_like_torch():
-    """Small arrays arrive owning their data (resize works), as numpy's unpickling makes
-    them; large ones may view memory they do not own, through either transport."""
-    def flags(cls, **kw):
+def test_numpy_leaves_arrive_as_numpys_unpickling_makes_them_like_torch():
+    """Small arrays own their data (resize works) up to numpy's 1000 bytes, larger ones do
+    not; big-endian ones arrive in native order; strides as torch's."""
+    def described(cls, **kw):
         loader = cls(D.IndexMap(12), batch_size=3, collate_fn=_numpy_collate, **W2, **kw)
-        return [[(a.flags.owndata, a.flags.writeable, a.flags.f_contiguous) for a in batch]
-                for batch in loader]
+        return [[(a.dtype.str, a.shape, a.strides, a.flags.writeable, a.flags.f_contiguous,
+                  a.flags.owndata or a.size == 0) for a in batch] for batch in loader]
 
-    expected = flags(TorchDataLoader)
-    assert expected[0] == [(True, True, True), (True, True, True), (False, True, False)]
-    assert flags(ShmDataLoader, slot_bytes=1 << 20) == expected
+    expected = described(TorchDataLoader)
+    assert [leaf[-1] for leaf in expected[0]] == [True, True, False, False, True, True]
+    assert expected[0][4][0] == "<i4"
+    assert described(ShmDataLoader, slot_bytes=1 << 20) == expected
     for cls in (TorchDataLoader, ShmDataLoader):
         ids = next(iter(cls(D.IndexMap(12), batch_size=3, collate_fn=_numpy_collate, **W2)))[0]
         ids.resize(8, refcheck=False)  # only an array that owns its data can
