@@ -1,6 +1,7 @@
 """shmloader.DataLoader: torch's DataLoader with a shared-memory slot ring."""
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 
@@ -236,8 +237,13 @@ class DataLoader(torch.utils.data.DataLoader):
         weakref.finalize(self, self._ring_handover.retire_spare_ring).atexit = False
 
     def __setstate__(self, state):
-        # A copy (pickle, deepcopy, a spawned process's) starts without a ring.
+        # A copy (pickle, deepcopy, copy.copy, a spawned process's) starts
+        # without a ring, and counts and resumes apart from the original
+        # (copy.copy hands over the original's objects themselves).
         self.__dict__.update(state)
+        self._ring_handover = copy.deepcopy(self._ring_handover)
+        self._counters = copy.deepcopy(self._counters)
+        self._progress = copy.deepcopy(self._progress)
         self._retire_ring_when_gone()
 
     def _next_epoch(self) -> int:

@@ -730,6 +730,24 @@ def test_loader_copied_after_an_epoch_like_torch(how, persistent):
         D.assert_same(results[0], results[1], "batches")
 
 
+def test_shallow_copy_of_a_loader_iterates_and_resumes_apart():
+    """copy.copy(loader) before iterating gives two loaders whose progress is their own (as
+    torch's): each one's state_dict() resumes where that one stands."""
+    def make():
+        return ShmDataLoader(D.TensorMap(40), batch_size=4, num_workers=2)
+
+    a = make()
+    b = copy.copy(a)
+    it_a, it_b = iter(a), iter(b)
+    [next(it_a) for _ in range(2)]
+    [next(it_b) for _ in range(5)]
+    assert (a.stats().batches, b.stats().batches) == (2, 5)
+    resumed = make()
+    resumed.load_state_dict(a.state_dict())
+    D.assert_same(list(TorchDataLoader(D.TensorMap(40), batch_size=4))[2:], list(resumed),
+                  "resumed after 2 batches")
+
+
 ATTR_CASES = {
     "default": (P(D.IndexMap, 5), {}),
     "workers": (P(D.IndexMap, 5), dict(num_workers=2, batch_size=3, drop_last=True)),
