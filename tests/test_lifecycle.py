@@ -1,6 +1,7 @@
 """Failures and cleanup (DESIGN.md contract 5): worker errors and deaths,
 timeouts, and that no worker or segment outlives the loader however the main
 process ends.  Anything that could hang runs under a hard timeout."""
+import contextlib
 import functools
 import gc
 import os
@@ -355,22 +356,29 @@ MAIN_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
-def test_main_process_killed_workers_exit(context, signum):
+@contextlib.contextmanager
+def main_process(script, *args):
+    """A training process running `script`, which prints its workers' pids first: yields
+    (the process, those pids); it is killed at the end if still there."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "-c", MAIN_SCRIPT, context], cwd=root,
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=root,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert line, proc.stderr.read()
-        pids = [int(p) for p in line.split()]
-        worker_dirs = proc.stdout.readline().split()
-        os.kill(proc.pid, signum)
-        proc.wait(HANG)
+        yield proc, [int(p) for p in line.split()]
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_main_process_killed_workers_exit(context, signum):
+    with main_process(MAIN_SCRIPT, context) as (proc, pids):
+        worker_dirs = proc.stdout.readline().split()
+        os.kill(proc.pid, signum)
+        proc.wait(HANG)
     left = wait_gone(pids, 15)[0]
     assert left == [], describe_stuck(left)
     assert our_segments() == []
@@ -398,19 +406,10 @@ def test_workers_leave_a_main_process_with_many_files_open_when_it_dies():
     at once all the same, and says nothing."""
     if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1200:
         pytest.skip("needs a hard RLIMIT_NOFILE of 1200 or more")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "-c", WATCHED_SCRIPT], cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()
-        pids = [int(p) for p in line.split()]
+    with main_process(WATCHED_SCRIPT) as (proc, pids):
         time.sleep(1)  # the workers are in __getitem__ (the watchdog thread has started)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(HANG)
-    finally:
-        proc.kill()
-        proc.wait()
     left = wait_gone(pids, 15)[0]
     assert left == [], describe_stuck(left)
     assert "Traceback" not in proc.stderr.read()
