@@ -169,8 +169,9 @@ class _RefUnpickler(pickle.Unpickler):
 
 
 class _LeafMaker:
-    """Turns slot references back into views, refusing any that would not lie
-    wholly inside the slot: a corrupted slot is an error, never a wild read.
+    """Turns slot references back into leaves (views of the slot, or copies
+    of small ones), refusing any that would not lie wholly inside the slot: a
+    corrupted slot is an error, never a wild read.
     (torch.frombuffer checks the span, Tensor.set_ the shape and strides over
     it; numpy's own extent check can overflow, so it is done here.)"""
     __slots__ = ("_buffer", "_copy_small")
