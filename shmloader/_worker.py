@@ -77,8 +77,8 @@ from ._resume import (STATE_BYTES, carries_state, plain_worker_state, restore_wo
 from ._ring import Ring
 from ._rings import SharedMemoryError, shm_full_message
 from ._samples import SampleLayout
-from ._worker_exit import exit_now, orphaned, set_exit_handlers
 from ._seeding import seed_sample
+from ._worker_exit import exit_now, orphaned, set_exit_handlers
 
 NO_SLOT = -1  # every slot is held: use torch's transport
 MEASURE = -2  # no ring yet: use torch's transport and report the size needed
@@ -317,8 +317,8 @@ def _watch_manager(manager_pid: int) -> None:
 
 
 def _run(cfg: WorkerConfig) -> None:
+    set_exit_handlers()  # first: the watchdog may leave at once, knowing whose temp dir is whose
     _watch_manager(cfg.manager_pid)
-    set_exit_handlers()
     torch.multiprocessing._set_thread_name("pt_data_worker")
     torch.set_num_threads(1)
     keep_freed_memory()

@@ -39,14 +39,13 @@ def remove_own_temp_dir() -> None:
         shutil.rmtree(tempdir, ignore_errors=True)
 
 
+def exit_now(status: int) -> None:
+    remove_own_temp_dir()
+    os._exit(status)
+
+
 def orphaned() -> None:
     """The main process is gone: leave at once.  The kernel closes the fds
     and unmaps the ring, and multiprocessing's exit path could block:
     flushing stdio into a pipe nobody reads any more, joining threads."""
-    remove_own_temp_dir()
-    os._exit(0)
-
-
-def exit_now(status: int) -> None:
-    remove_own_temp_dir()
-    os._exit(status)
+    exit_now(0)
