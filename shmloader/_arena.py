@@ -122,30 +122,31 @@ class Arena:
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() == self._base
 
-    def find_shared_storages(self, batch) -> None:
-        """Note the storages that several tensors of `batch` view, before
-        place() meets them one by one.  (The default collate's tensors are
-        the slot's own and share nothing: it has no need of this.)"""
-        views = {}
+    def place_all(self, leaves) -> list:
+        """The slot references for a batch's leaves (each object once, in
+        the order its pickling met them), copying into the slot those not
+        already in it."""
+        self._note_shared_storages(leaves)
+        return [self.place(leaf) for leaf in leaves]
 
-        def note(leaf):
+    def _note_shared_storages(self, leaves) -> None:
+        """Note the storages that several of the leaves view, and the bytes
+        they span together, before place() meets them one by one."""
+        views = {}
+        for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and not self.owns(leaf):
                 sent = _as_torch_sends(leaf)
                 if _bytes_are_values(sent):
-                    views.setdefault(_storage_key(sent), {})[id(leaf)] = sent
-            return ("noted",)
-
-        _layout.dumps(batch, note, 0)
-        for key, leaves in views.items():
-            if len(leaves) > 1:
-                ranges = [_byte_range(leaf) for leaf in leaves.values()]
+                    views.setdefault(_storage_key(sent), []).append(sent)
+        for key, viewing in views.items():
+            if len(viewing) > 1:
+                ranges = [_byte_range(leaf) for leaf in viewing]
                 first = min(start for start, _ in ranges)
                 # Aligned, so that each view keeps its elements' alignment.
                 self._shared[key] = (first - first % ALIGN, max(end for _, end in ranges))
 
     def place(self, leaf):
-        """The slot reference for `leaf`, copying it into the slot if needed.
-        (The pickle's memo asks once per leaf object.)"""
+        """The slot reference for `leaf`, copying it into the slot if needed."""
         if isinstance(leaf, np.ndarray):
             offset = self._alloc(leaf.nbytes)
             # Fortran order stays Fortran order, as numpy's pickling keeps it.
@@ -218,15 +219,16 @@ class Measure:
     def __init__(self):
         self.used = 0
 
-    def place(self, leaf):
+    def place_all(self, leaves) -> list:
         # Each leaf on its own: at least what Arena.place takes for shared ones.
-        self.used = (self.used + ALIGN - 1) // ALIGN * ALIGN + leaf.nbytes
-        return ("measure",)
+        for leaf in leaves:
+            self.used = (self.used + ALIGN - 1) // ALIGN * ALIGN + leaf.nbytes
+        return [("measure",)] * len(leaves)
 
 
 def slot_bytes_needed(batch) -> int:
     measure = Measure()
-    meta = _layout.dumps(batch, measure.place, 0)
+    meta = _layout.dumps(batch, measure.place_all, 0)
     return (measure.used + ALIGN - 1) // ALIGN * ALIGN + len(meta)
 
 

@@ -12,8 +12,13 @@ say), they would otherwise hold a whole slot each.  Which leaves go into the
 slot, and how, is the placer's business (see _arena.py); this module only
 knows the reference format.
 
-Each slot leaf is pickled as a call of _slot_leaf on its reference, so that
-the pickle memo keeps a leaf that occurs twice one object.  Reference tuples:
+The metadata is two pickles: first the slot references of the batch's leaves,
+in the order the batch's pickling met them, then the batch itself, each of its
+slot leaves pickled as a call of _slot_leaf on the number of its reference, so
+that the pickle memo keeps a leaf that occurs twice one object.  The batch is
+pickled once, its leaves collected on the way and placed after it (the placer
+sees them all, and so which of them share their bytes), so that a __reduce__ of
+the user's runs once, as under torch's transport.  Reference tuples:
     ("t", byte_offset, torch.dtype, shape, stride, span in elements, requires_grad,
      alone: no other leaf views its bytes)
     ("n", byte_offset, numpy dtype, shape, strides)
@@ -59,30 +64,31 @@ def is_slot_ndarray(obj) -> bool:
     return type(obj) is np.ndarray and not obj.dtype.hasobject
 
 
-def _slot_leaf(ref):
-    """A slot leaf is pickled as a call of this on its reference; the
-    unpickler (see _RefUnpickler.find_class) calls its own in its place, which
-    makes the leaf.  Going through a reduce lets the pickle memo keep a leaf
-    that occurs twice in a batch one object, as torch's pickling does; and
-    unlike a persistent_id hook, which the pickler would call for every
+def _slot_leaf(number):
+    """A slot leaf is pickled as a call of this on its reference's number;
+    the unpickler (see _RefUnpickler.find_class) calls its own in its place,
+    which makes the leaf.  Going through a reduce lets the pickle memo keep a
+    leaf that occurs twice in a batch one object, as torch's pickling does;
+    and unlike a persistent_id hook, which the pickler would call for every
     object of a batch (each int of a list of them), reducer_override is not
     called for plain ints, floats, strings, lists, tuples and dicts."""
-    raise pickle.UnpicklingError(f"slot reference {ref!r} outside a slot's metadata")
+    raise pickle.UnpicklingError(f"slot reference {number!r} outside a slot's metadata")
 
 
 class _RefPickler(ForkingPickler):
-    def __init__(self, file, place):
+    def __init__(self, file):
         # Leaves that are not placed are pickled as torch's transport pickles
         # them: ForkingPickler's default protocol (under protocol 5 a
         # read-only numpy array would arrive read-only; torch's arrives
         # writable).
         super().__init__(file)
-        self._place = place
+        self.leaves = []  # slot leaves in the order met (the memo asks once per object)
         self.fallback_leaves = 0
 
     def reducer_override(self, obj):
         if is_slot_tensor(obj) or is_slot_ndarray(obj):
-            return _slot_leaf, (self._place(obj),)
+            self.leaves.append(obj)
+            return _slot_leaf, (len(self.leaves) - 1,)
         if isinstance(obj, (torch.Tensor, np.ndarray)):
             # CUDA, sparse, nested, subclass or object arrays: torch's own
             # pickling path carries them.
@@ -90,26 +96,36 @@ class _RefPickler(ForkingPickler):
         return NotImplemented
 
 
-def dumps(batch, place, samples: int, worker_state: bytes | None = None) -> bytes:
-    """Pickle `batch`, turning slot-able leaves into place(leaf) references,
-    followed by a second pickle: (how many tensor-like leaves could not be
-    placed and travel through torch's pickling instead, samples in the batch,
-    the worker's state after the batch (see _resume.py) or None)."""
+def _with_refs(refs, fallback_leaves: int, samples: int, worker_state, batch_pickle: bytes) -> bytes:
+    return pickle.dumps((refs, fallback_leaves, samples, worker_state),
+                        pickle.HIGHEST_PROTOCOL) + batch_pickle
+
+
+def dumps(batch, place_all, samples: int, worker_state: bytes | None = None) -> bytes:
+    """The metadata of `batch`: its slot-able leaves (dense CPU tensors and
+    numeric numpy arrays) become the references place_all(leaves) gives for
+    them, after the batch is pickled; then (how many tensor-like leaves could
+    not be placed and travel through torch's pickling instead, samples in the
+    batch, the worker's state after the batch (see _resume.py) or None)."""
     buf = io.BytesIO()
-    pickler = _RefPickler(buf, place)
+    pickler = _RefPickler(buf)
     pickler.dump(batch)
-    pickler.dump((pickler.fallback_leaves, samples, worker_state))
-    return buf.getvalue()
+    refs = place_all(pickler.leaves)
+    return _with_refs(refs, pickler.fallback_leaves, samples, worker_state, buf.getvalue())
 
 
 class _TemplatePickler(pickle.Pickler):
     def __init__(self, file, ref_of):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self._ref_of = ref_of
+        self.refs = []
 
     def reducer_override(self, obj):
         ref = self._ref_of(obj)
-        return NotImplemented if ref is None else (_slot_leaf, (ref,))
+        if ref is None:
+            return NotImplemented
+        self.refs.append(ref)
+        return _slot_leaf, (len(self.refs) - 1,)
 
 
 def dumps_refs(structure, ref_of, samples: int) -> bytes:
@@ -119,8 +135,7 @@ def dumps_refs(structure, ref_of, samples: int) -> bytes:
     buf = io.BytesIO()
     pickler = _TemplatePickler(buf, ref_of)
     pickler.dump(structure)
-    pickler.dump((0, samples, None))
-    return buf.getvalue()
+    return _with_refs(pickler.refs, 0, samples, None, buf.getvalue())
 
 
 def _identity(obj):
@@ -155,12 +170,12 @@ def span_elements(shape, stride) -> int:
 
 
 class _RefUnpickler(pickle.Unpickler):
-    def __init__(self, file, slot_buffer, copy_small):
+    def __init__(self, file, make_leaf):
         super().__init__(file)
         # Not a method of this unpickler: its memo keeps what find_class
         # returns, and a bound method would make a cycle that keeps the
         # batch's leaves (and so its slot) alive until the garbage collector.
-        self._make_leaf = _LeafMaker(slot_buffer, copy_small)
+        self._make_leaf = make_leaf
 
     def find_class(self, module, name):
         if name == "_slot_leaf" and module == __name__:
@@ -174,13 +189,17 @@ class _LeafMaker:
     corrupted slot is an error, never a wild read.
     (torch.frombuffer checks the span, Tensor.set_ the shape and strides over
     it; numpy's own extent check can overflow, so it is done here.)"""
-    __slots__ = ("_buffer", "_copy_small")
+    __slots__ = ("_buffer", "_copy_small", "refs")
 
     def __init__(self, slot_buffer, copy_small):
         self._buffer = slot_buffer
         self._copy_small = copy_small
+        self.refs = ()  # the metadata's references, once its first pickle is read
 
-    def __call__(self, ref):
+    def __call__(self, number):
+        if type(number) is not int or not 0 <= number < len(self.refs):
+            raise pickle.UnpicklingError(f"slot reference number {number!r} is not in the metadata")
+        ref = self.refs[number]
         kind = ref[0]
         if kind == TENSOR:
             _, offset, dtype, shape, stride, count, requires_grad, alone = ref
@@ -256,7 +275,12 @@ def loads(meta: bytes, slot_buffer, copy_small: bool = True):
     views are pinned memory).  Returns (batch, number of leaves that came
     through torch's pickling, samples in the batch, the worker's state or
     None)."""
-    unpickler = _RefUnpickler(io.BytesIO(meta), slot_buffer, copy_small)
-    batch = unpickler.load()
-    fallback_leaves, samples, worker_state = unpickler.load()
+    file = io.BytesIO(meta)
+    make_leaf = _LeafMaker(slot_buffer, copy_small)
+    refs, fallback_leaves, samples, worker_state = _RefUnpickler(file, make_leaf).load()
+    if type(refs) is not list or not all(type(ref) is tuple and ref for ref in refs):
+        raise pickle.UnpicklingError("slot metadata without its list of slot references")
+    make_leaf.refs = refs
+    # An unpickler of its own: the batch's pickle numbers its memo from 0.
+    batch = _RefUnpickler(file, make_leaf).load()
     return batch, fallback_leaves, samples, worker_state

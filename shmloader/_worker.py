@@ -485,10 +485,8 @@ class _Work:
         state = worker_snapshot(self.stateful) if self.snapshots else None
         if arena is not None and (self.slot_collate is None or self.slot_collate.arena is not None):
             try:
-                if self.slot_collate is None:
-                    arena.find_shared_storages(data)
                 meta_off, meta_len = arena.write_meta(
-                    _layout.dumps(data, arena.place, samples, state))
+                    _layout.dumps(data, arena.place_all, samples, state))
             except Exception:
                 # SlotFull, or something unpicklable: torch's path decides below.
                 pass

@@ -226,6 +226,27 @@ def aliasing_collate(batch):
             "expanded": x[:1].expand(4, -1), "slice_of_big": big[:3], "again": [x, big[:3]]}
 
 
+_reductions = 0  # ReductionCounter picklings in this process
+
+
+class ReductionCounter:
+    """Counts its picklings in the process that pickles it: each arrives holding the count
+    its own pickling reached (a __reduce__ with a side effect)."""
+
+    def __init__(self, count=0):
+        self.count = count
+
+    def __reduce__(self):
+        global _reductions
+        _reductions += 1
+        return ReductionCounter, (_reductions,)
+
+
+def reduction_counting_collate(batch):
+    """For IndexMap samples: the stacked values beside a ReductionCounter."""
+    return torch.stack([s[1] for s in batch]), ReductionCounter()
+
+
 def strided_collate(batch):
     """For IndexMap samples: tensors alone on their storages that span all of it but are not
     contiguous, and one that is a gappy part of a larger storage."""

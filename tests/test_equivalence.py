@@ -493,6 +493,21 @@ def test_prefetch_bound(prefetch_factor, persistent):
         f"per-step outstanding shm={s_trace} torch={t_trace}")
 
 
+@pytest.mark.parametrize("slot_bytes", [4096, None], ids=["ring", "sized-later"])
+def test_more_batches_in_flight_than_a_ring_holds(slot_bytes):
+    """prefetch_factor * num_workers above a ring's most slots (4096) is a valid torch
+    setting: the ring gets its most slots, and the batches beyond them travel by torch's
+    transport, with the ring-full warning."""
+    kw = dict(batch_size=2, num_workers=2, prefetch_factor=2047)
+    expected = list(TorchDataLoader(D.IndexMap(40), **kw))
+    loader = ShmDataLoader(D.IndexMap(40), slot_bytes=slot_bytes, **kw)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "shmloader: all 4096 ring slots are in use")
+        D.assert_same(expected, list(loader))
+    if slot_bytes:  # (sized later, every batch of this epoch is sent before the ring exists)
+        assert loader.stats().slot_batches > 0
+
+
 # --------------------------------------------------------------------------- worker exceptions
 def exc_summary(e, workers):
     """Type + message. From a worker the message embeds a traceback whose frames are the
@@ -894,6 +909,24 @@ def test_sharing_within_a_batch_like_torch(shm_kw):
     for b, (x, y) in enumerate(zip(t.epochs[0], s.epochs[0], strict=True)):
         assert D.sharing(x) == D.sharing(y), f"batch {b}"
         D.assert_same(x, y, f"batch {b} after writing into x")
+
+
+@pytest.mark.parametrize("slot_bytes", [1 << 16, None], ids=["ring", "sized-later"])
+def test_custom_collates_batch_is_pickled_once_like_torch(slot_bytes):
+    """A worker pickles a custom collate's batch once, as torch's does: a __reduce__ with a
+    side effect has it once per batch.  (With slot_bytes=None the batches that size the
+    ring, the first prefetch_factor * num_workers + 1, are measured by a pickling of their
+    own first: documented in the README's limits.)"""
+    def counts(cls, **kw):
+        loader = cls(D.IndexMap(30), batch_size=3, collate_fn=D.reduction_counting_collate,
+                     num_workers=1, **kw)
+        return [counter.count for _, counter in loader]
+
+    expected = counts(TorchDataLoader)
+    assert expected == list(range(1, 11))
+    got = counts(ShmDataLoader, slot_bytes=slot_bytes)
+    measured = 0 if slot_bytes else 3  # prefetch_factor 2 * 1 worker + 1
+    assert got == [2 * i for i in range(1, measured + 1)] + list(range(2 * measured + 1, 10 + measured + 1))
 
 
 def _numpy_collate(samples):

@@ -353,13 +353,12 @@ def _real_meta(ring, batch):
     arena = Arena(memory, storage)
     refs = []
 
-    def place(leaf):
-        ref = arena.place(leaf)
-        refs.append(ref)
-        return ref
+    def place_all(leaves):
+        refs.extend(arena.place_all(leaves))
+        return refs
 
     try:
-        meta = _layout.dumps(batch, place, 1)
+        meta = _layout.dumps(batch, place_all, 1)
         off, length = arena.write_meta(meta)
     except BaseException:
         ring.abandon(slot)
@@ -371,8 +370,7 @@ def _real_meta(ring, batch):
 
 
 def _redump(batch, refs):
-    it = iter(refs)
-    return _layout.dumps(batch, lambda leaf: next(it), 1)
+    return _layout.dumps(batch, lambda leaves: list(refs), 1)
 
 
 # ---- what to corrupt
@@ -694,7 +692,7 @@ def test_decoder_survives_corrupt_metadata(fuzz_ring, spec, seed, cases, data):
 
 # ---- the decoder bugs found, one minimal regression test each
 def _one_ref_meta(ref):
-    return _layout.dumps([torch.zeros(1)], lambda leaf: ref, 1)
+    return _layout.dumps([torch.zeros(1)], lambda leaves: [ref], 1)
 
 
 @pytest.fixture
@@ -743,8 +741,8 @@ def test_harness_reports_a_crash_in_the_decoder(lease_of):
         def __reduce__(self):
             return ctypes.string_at, (8, 1)  # reads address 8
 
-    fine = _layout.dumps([1, "x", None], lambda leaf: None, 1)
-    meta = _layout.dumps([Segfault()], lambda leaf: None, 1)
+    fine = _layout.dumps([1, "x", None], lambda leaves: [], 1)
+    meta = _layout.dumps([Segfault()], lambda leaves: [], 1)
     statuses, crash = _decode_in_child([fine, meta], lease_of(), quiet=True)
     assert statuses == {0: "returned"}
     assert crash == (1, "killed by SIGSEGV")

@@ -316,12 +316,12 @@ def test_misaligned_slot_reference_is_refused():
     slot = ring.claim()
     ring.publish(slot, 1, 0, 0)
     lease = ring.acquire()
-    bad = _layout.dumps([torch.zeros(1, dtype=torch.complex128)], lambda leaf: (
-        "t", 1, torch.complex128, (1,), (1,), 1, False, True), 1)
+    bad = _layout.dumps([torch.zeros(1, dtype=torch.complex128)], lambda leaves: [(
+        "t", 1, torch.complex128, (1,), (1,), 1, False, True)], 1)
     with pytest.raises(pickle.UnpicklingError, match="not aligned"):
         _layout.loads(bad, lease)
-    good = _layout.dumps([torch.zeros(1, dtype=torch.complex128)], lambda leaf: (
-        "t", 64, torch.complex128, (1,), (1,), 1, False, True), 1)
+    good = _layout.dumps([torch.zeros(1, dtype=torch.complex128)], lambda leaves: [(
+        "t", 64, torch.complex128, (1,), (1,), 1, False, True)], 1)
     assert _layout.loads(good, lease)[0][0].dtype == torch.complex128
 
 
@@ -339,8 +339,8 @@ def test_small_leaf_reference_reads_only_its_slot(alone):
     np.frombuffer(lease, dtype=np.uint8)[:] = np.arange(4096) % 251
 
     def meta(offset):
-        return _layout.dumps([torch.zeros(1)], lambda leaf: (
-            "t", offset, torch.uint8, (2, 4), (1, 2), 8, False, alone), 1)
+        return _layout.dumps([torch.zeros(1)], lambda leaves: [(
+            "t", offset, torch.uint8, (2, 4), (1, 2), 8, False, alone)], 1)
 
     leaf = _layout.loads(meta(64), lease)[0][0]
     assert leaf.stride() == (1, 2)
