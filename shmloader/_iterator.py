@@ -40,6 +40,7 @@ from torch.utils.data.dataloader import (
 
 from . import _cuda, _layout
 from ._pool import WorkerDied, WorkerPool
+from ._ring import MAX_SLOTS
 from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
 from ._rings import create_ring, reserve_in_background, retire
 from ._sampler_state import PrefetchedEpoch
@@ -97,7 +98,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._arrivals = deque()
         self._row_errors = {}  # fetch="sample": task id -> {row: ExceptionWrapper}
         self._slot_bytes = loader.slot_bytes
-        self._nslots = loader.num_slots or self._prefetch_factor * self._num_workers + SPARE_SLOTS
+        # Capped at what a ring can hold: tasks in flight beyond it travel by
+        # torch's transport (with the ring-full warning).
+        self._nslots = loader.num_slots or min(
+            self._prefetch_factor * self._num_workers + SPARE_SLOTS, MAX_SLOTS)
         device = loader.device
         self._device_stage = _cuda.DeviceStage(device) if device is not None else None
         # Pin the ring itself (once) where batches go to a CUDA device.

@@ -88,13 +88,20 @@ class WorkerPool:
         except (TypeError, AttributeError, PicklingError) as e:
             warn(_TORCH_PICKLE_WARNING)  # torch's, word for word, before its own error
             method = ctx.get_start_method()
-            raise type(e)(
+            advice = (
                 f"shmloader could not start DataLoader worker {fields['worker_id']} with "
                 f"multiprocessing_context={method!r}: the dataset, collate_fn or "
                 f"worker_init_fn cannot be pickled ({e}). Define them at module level "
                 "(no lambdas, local classes or open handles), or use "
-                "multiprocessing_context='fork'."
-            ) from e
+                "multiprocessing_context='fork'.")
+            try:
+                error = type(e)(advice)
+            except Exception:  # an exception class that takes other arguments
+                error = None
+            if error is None:
+                e.add_note(advice)
+                raise  # e itself, as torch raises it
+            raise error from e
         except BaseException:
             main_tasks.close()
             main_results.close()

@@ -277,9 +277,12 @@ def state_dict(loader, progress: Progress) -> dict:
 
 def check_state(loader, state) -> dict:
     """The state, if this loader can resume from it; else a clear error."""
-    if not isinstance(state, dict) or "version" not in state:
+    if not isinstance(state, dict):
         raise ValueError("load_state_dict expects a dict made by shmloader's "
                          f"DataLoader.state_dict(), got {type(state).__name__}")
+    if "version" not in state:
+        raise ValueError("load_state_dict expects a dict made by shmloader's "
+                         "DataLoader.state_dict(); this dict has no 'version' key")
     if state["version"] != STATE_VERSION:
         raise ValueError(f"this state has version {state['version']}; this shmloader reads "
                          f"version {STATE_VERSION}")

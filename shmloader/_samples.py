@@ -219,7 +219,7 @@ def _difference(got, want, path=""):
 
 
 def _paths(obj, prefix=""):
-    """Names of a sample's leaves, in collate's order, for error messages."""
+    """What error messages call a sample's leaves, in collate's order."""
     if isinstance(obj, dict):
         for key, value in obj.items():
             yield from _paths(value, f"{prefix}[{key!r}]")
@@ -227,7 +227,7 @@ def _paths(obj, prefix=""):
         for i, value in enumerate(obj):
             yield from _paths(value, f"{prefix}[{i}]")
     else:
-        yield prefix or "the sample"
+        yield f"field {prefix} of this sample" if prefix else "this sample"
 
 
 class SampleLayout:
@@ -245,7 +245,7 @@ class SampleLayout:
         self.capacity = capacity
         self.names = list(_paths(sample))
         if len(self.names) != len(fields):
-            self.names = [f"field {i}" for i in range(len(fields))]
+            self.names = [f"field {i} of this sample" for i in range(len(fields))]
         self.dtypes = [dtype for dtype, _ in fields]
         self.shapes = [shape for _, shape in fields]
         self.row_bytes = [math.prod(shape) * dtype.itemsize for dtype, shape in fields]
@@ -304,13 +304,13 @@ class SampleLayout:
         got_kind = _leaf_kind(leaf)
         if got_kind != kind:
             raise SampleLayoutError(
-                f"fetch='sample': field {self.names[i]} of this sample is a "
+                f"fetch='sample': {self.names[i]} is a "
                 f"{got_kind}, but the first sample of the loader fixed it as a {kind}; "
                 "every sample must match it (use fetch='batch' otherwise).")
         got_dtype, got_shape = _leaf_spec(leaf)
         if got_dtype is not dtype or tuple(got_shape) != tuple(shape):
             raise SampleLayoutError(
-                f"fetch='sample': field {self.names[i]} of this sample is "
+                f"fetch='sample': {self.names[i]} is "
                 f"{_describe(got_dtype, got_shape)}, but the first sample of the loader fixed "
                 f"it as {_describe(dtype, shape)}; every sample must match it (use "
                 "fetch='batch' for samples whose shapes or dtypes vary).")

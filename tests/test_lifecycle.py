@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+import torch.utils.data as tud
 
 from shmloader import DataLoader, WorkerDied
 from tests.datasets_lifecycle import Dying, Failing, Images, Sleepy
@@ -419,6 +420,29 @@ class _Unpicklable(Images):
     def __init__(self, n):
         super().__init__(n)
         self.transform = lambda x: x  # lambdas cannot be pickled for spawn
+
+
+class _HandleError(TypeError):
+    def __init__(self, what, reason):
+        super().__init__(f"cannot pickle {what}: {reason}")
+
+
+class _HoldsAHandle(Images):
+    def __reduce__(self):
+        raise _HandleError(type(self).__name__, "holds a database handle")
+
+
+def test_unpicklable_dataset_raising_its_own_error_class_like_torch():
+    """A pickling error whose class takes other arguments than a message arrives as torch
+    raises it, with shmloader's advice as a note."""
+    raised = []
+    for cls in (tud.DataLoader, DataLoader):
+        with pytest.raises(_HandleError) as e, pytest.warns(UserWarning, match="pickle error"):
+            iter(cls(_HoldsAHandle(8), batch_size=4, num_workers=2,
+                     multiprocessing_context="spawn"))
+        raised.append(e.value)
+    assert str(raised[1]) == str(raised[0]) == "cannot pickle _HoldsAHandle: holds a database handle"
+    assert "multiprocessing_context='fork'" in raised[1].__notes__[0]
 
 
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
