@@ -31,9 +31,12 @@ from ._ring import copy_stream
 ALIGN = 64  # cache line; also a multiple of every dtype's itemsize
 
 
-def _storage_key(leaf: torch.Tensor) -> tuple[int, int]:
-    storage = leaf.untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
+def _storage_key(leaf: torch.Tensor) -> int:
+    """Which storage a tensor views: the storage itself, not its address, since
+    two storages over one memory (torch.from_numpy twice over an array) are
+    two under torch's transport, which moves each storage on its own.  (The
+    batch's leaves, and so their storages, live while it is placed.)"""
+    return leaf.untyped_storage()._cdata
 
 
 def _bytes_are_values(leaf: torch.Tensor) -> bool:
@@ -186,7 +189,7 @@ class Arena:
         base = self._copies.get(key)
         if base is None:
             base = self._copies[key] = self._alloc(end - first)
-            copy_stream(self._memory, base, key[0] + first, end - first)
+            copy_stream(self._memory, base, leaf.untyped_storage().data_ptr() + first, end - first)
         start = base + own[0] - first
         return torch.empty((0,), dtype=leaf.dtype).set_(
             self._storage, start // leaf.dtype.itemsize, leaf.shape, leaf.stride())

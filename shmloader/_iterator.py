@@ -71,7 +71,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         loader._take_resume()  # this iterator resumes it
         self._progress = loader._progress
         self._resume = resume
-        self._replay = 0  # batches to fetch again and drop (see _resume_epoch)
+        self._replay = set()  # positions of batches to fetch again and drop (see _resume_epoch)
         self._died = None  # the message of the WorkerDied that ended this iterator
         self._skip = set()  # epoch indices not to fetch again (in_order=False resume)
         self._pending_first_draw = None
@@ -279,9 +279,11 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._progress.resumed_from(resume)
         self._num_yielded = resume.skip + len(resume.skip_beyond)
         if resume.replay:
-            self._replay = resume.replayed
-            if self._replay:
-                warn(replay_message(self._replay))
+            if resume.replayed:
+                # By position in the epoch, not by count: with in_order=False
+                # the batches yielded were not the first ones to arrive.
+                self._replay = set(range(resume.skip)) | set(resume.skip_beyond)
+                warn(replay_message(resume.replayed))
             return
         self._pending_first_draw = resume
         for _ in range(resume.skip):
@@ -565,11 +567,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             raise WorkerDied(f"this DataLoader iterator ended when a worker died: {self._died} "
                              "iter(loader) starts a new one with fresh workers.")
         try:  # what _failing_workers() does, without a generator per batch
-            while self._replay:  # resuming an IterableDataset that cannot say where it was
-                self._replay -= 1
-                with contextlib.suppress(Exception):
-                    self._next_batch()
             batch = self._next_batch()
+            while batch is _REPLAYED:
+                batch = self._next_batch()
         except WorkerDied as e:
             self._end_on_death(e)
             raise
@@ -631,6 +631,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     def _process_data(self, data, worker_id, idx):
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
+        if idx in self._replay:  # resuming an IterableDataset that cannot say where it was
+            self._replay.discard(idx)
+            _discard(data)
+            return _REPLAYED
         if _kind(data) == "error":
             self._progress.batch_yielded(idx, worker_id, None)
             data[2].reraise()
@@ -710,6 +714,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     def __del__(self) -> None:
         if hasattr(self, "_arrivals"):
             self._shutdown_workers()
+
+
+# What _process_data returns for a batch fetched again after a resume and dropped.
+_REPLAYED = object()
 
 
 def _kind(payload) -> str:

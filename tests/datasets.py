@@ -247,6 +247,13 @@ def reduction_counting_collate(batch):
     return torch.stack([s[1] for s in batch]), ReductionCounter()
 
 
+def twin_storages_collate(batch):
+    """For IndexMap samples: two tensors over one numpy array's memory, each with a storage
+    of its own (torch.from_numpy twice), as torch's transport keeps them: apart."""
+    values = np.stack([s[1].numpy() for s in batch])
+    return {"img": torch.from_numpy(values), "orig": torch.from_numpy(values)}
+
+
 def strided_collate(batch):
     """For IndexMap samples: tensors alone on their storages that span all of it but are not
     contiguous, and one that is a gappy part of a larger storage."""

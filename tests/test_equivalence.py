@@ -929,6 +929,22 @@ def test_custom_collates_batch_is_pickled_once_like_torch(slot_bytes):
     assert got == [2 * i for i in range(1, measured + 1)] + list(range(2 * measured + 1, 10 + measured + 1))
 
 
+def test_two_storages_over_one_memory_arrive_apart_like_torch():
+    """torch.from_numpy twice over one array makes two storages: torch moves each on its
+    own, so a write into one batch field leaves the other as it was."""
+    def after_zeroing_img(cls, **kw):
+        out = []
+        for batch in cls(D.IndexMap(12), batch_size=3, collate_fn=D.twin_storages_collate,
+                         **W2, **kw):
+            batch["img"].zero_()
+            out.append(batch["orig"].clone())
+        return out
+
+    expected = after_zeroing_img(TorchDataLoader)
+    assert expected[1].sum() > 0
+    D.assert_same(expected, after_zeroing_img(ShmDataLoader, slot_bytes=1 << 16))
+
+
 def _numpy_collate(samples):
     """numpy leaves of every size class, C- and Fortran-ordered, big-endian, empty."""
     ids = np.array([i for i, _ in samples], dtype=np.int64)

@@ -65,6 +65,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -342,6 +343,40 @@ def test_state_is_plain_and_loads_with_weights_only(name):
     assert loaded["version"] == state["version"]
     fresh = D.SCENARIOS[name]["make"]()
     fresh.load_state_dict(loaded)
+
+
+class _SlowWorker(torch.utils.data.IterableDataset):
+    """Worker w yields w * 100 + i (i < 6), worker `slow` late: no state_dict, so a resume
+    replays; under in_order=False the slow worker's batches arrive last."""
+
+    def __init__(self, slow):
+        self.slow = slow
+
+    def __iter__(self):
+        worker = torch.utils.data.get_worker_info().id
+        for i in range(6):
+            if worker == self.slow:
+                time.sleep(0.05)
+            yield torch.tensor(worker * 100 + i)
+
+
+@pytest.mark.filterwarnings("ignore:shmloader. resuming")
+def test_replay_drops_the_batches_yielded_with_in_order_false():
+    """The batches a replay drops are those at the positions the interrupted run yielded
+    (worker 0's first two here), not the first to arrive again (worker 0's are now late)."""
+    import shmloader
+
+    kw = dict(batch_size=2, num_workers=2, in_order=False)
+    loader = shmloader.DataLoader(_SlowWorker(slow=1), **kw)
+    it = iter(loader)
+    got = [x for _ in range(2) for x in next(it).tolist()]
+    assert got == [0, 1, 2, 3]  # worker 0's batches came first
+    state = roundtrip(loader.state_dict())
+    del it, loader
+    resumed = shmloader.DataLoader(_SlowWorker(slow=0), **kw)
+    resumed.load_state_dict(state)
+    got += [x for batch in resumed for x in batch.tolist()]
+    assert sorted(got) == sorted(w * 100 + i for w in range(2) for i in range(6))
 
 
 def test_state_before_iter_is_plain():
