@@ -254,6 +254,15 @@ def twin_storages_collate(batch):
     return {"img": torch.from_numpy(values), "orig": torch.from_numpy(values)}
 
 
+def repeated_objects_collate(batch):
+    """For IndexMap samples: strings, bytes, lists, tensors and arrays each at several places,
+    so that the metadata's pickle memo refers back to them (a shard reader's batch)."""
+    x = torch.stack([s[1] for s in batch])
+    name, raw, ids, array = "shard-0", b"\xff\xd8jpeg", [s[0] for s in batch], x.numpy().copy()
+    return {"cls": [name, name], "jpg": [raw, raw], "ids": ids, "again": ids,
+            "x": x, "xs": [x, x], "array": array, "arrays": (array, array), "name": name}
+
+
 def strided_collate(batch):
     """For IndexMap samples: tensors alone on their storages that span all of it but are not
     contiguous, and one that is a gappy part of a larger storage."""

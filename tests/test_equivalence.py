@@ -929,6 +929,24 @@ def test_custom_collates_batch_is_pickled_once_like_torch(slot_bytes):
     assert got == [2 * i for i in range(1, measured + 1)] + list(range(2 * measured + 1, 10 + measured + 1))
 
 
+@pytest.mark.parametrize("slot_bytes", [1 << 16, None], ids=["ring", "sized-later"])
+def test_repeated_objects_arrive_as_one_object_like_torch(slot_bytes):
+    """An object at several places in a batch arrives as one object at all of them, slot
+    leaves and pickled objects alike, as torch's pickling keeps them."""
+    def identities(batch):
+        return [batch["cls"][0] is batch["cls"][1] is batch["name"],
+                batch["jpg"][0] is batch["jpg"][1], batch["ids"] is batch["again"],
+                batch["x"] is batch["xs"][0] is batch["xs"][1],
+                batch["array"] is batch["arrays"][0] is batch["arrays"][1]]
+
+    kw = dict(batch_size=3, collate_fn=D.repeated_objects_collate, **W2)
+    expected = list(TorchDataLoader(D.IndexMap(24), **kw))
+    got = list(ShmDataLoader(D.IndexMap(24), slot_bytes=slot_bytes, **kw))
+    D.assert_same(expected, got)
+    assert [identities(b) for b in got] == [identities(b) for b in expected]
+    assert identities(expected[0]) == [True] * 5
+
+
 def test_two_storages_over_one_memory_arrive_apart_like_torch():
     """torch.from_numpy twice over one array makes two storages: torch moves each on its
     own, so a write into one batch field leaves the other as it was."""
