@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import copy
+import numbers
 import warnings
 import weakref
 
+import numpy as np
 import torch.utils.data
 from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.collate import default_collate
@@ -18,13 +20,17 @@ from ._rings import RingHandover
 from ._stats import Counters, LoaderStats
 
 
-def _check_positive_int(name, value, upper=None):
+def _positive_int(name, value, upper=None):
+    """`value` as a Python int (numpy's integers accepted, as torch accepts them for
+    num_workers), or None; anything else is a clear error."""
     if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
+            or value <= 0:
         raise ValueError(f"{name} should be a positive int or None, but got {name}={value!r}")
     if upper is not None and value > upper:
         raise ValueError(f"{name} should be at most {upper}, but got {name}={value!r}")
+    return int(value)
 
 
 def _check_flag(name, value):
@@ -180,12 +186,10 @@ class DataLoader(torch.utils.data.DataLoader):
         prefetch_next_epoch=False,
         device=None,
     ):
-        _check_positive_int("slot_bytes", slot_bytes, upper=2**62)
-        _check_positive_int("num_slots", num_slots, upper=MAX_SLOTS)
         # Plain attributes, as torch's arguments are: code that rebuilds a
         # loader from its attributes (Lightning, say) keeps them.
-        self.slot_bytes = slot_bytes
-        self.num_slots = num_slots
+        self.slot_bytes = _positive_int("slot_bytes", slot_bytes, upper=2**62)
+        self.num_slots = _positive_int("num_slots", num_slots, upper=MAX_SLOTS)
         self._ring_handover = RingHandover()
         self._retire_ring_when_gone()
         self._counters = Counters()
@@ -223,8 +227,8 @@ class DataLoader(torch.utils.data.DataLoader):
         """shmloader's options, at construction and again at each iter():
         they, and torch's attributes they depend on (collate_fn, say), may be
         set in between, as torch's may."""
-        _check_positive_int("slot_bytes", self.slot_bytes, upper=2**62)
-        _check_positive_int("num_slots", self.num_slots, upper=MAX_SLOTS)
+        self.slot_bytes = _positive_int("slot_bytes", self.slot_bytes, upper=2**62)
+        self.num_slots = _positive_int("num_slots", self.num_slots, upper=MAX_SLOTS)
         _check_fetch(self, self.fetch, self.assignment)
         _check_flag("seed_per_sample", self.seed_per_sample)
         _check_flag("prefetch_next_epoch", self.prefetch_next_epoch)

@@ -344,6 +344,20 @@ def test_options_set_after_construction_apply_at_iter():
     assert (loader.stats().ring_slots, loader.stats().slot_bytes >= SLOT) == (9, True)
 
 
+def test_numpy_integers_are_accepted_as_slot_sizes_and_counts():
+    """numpy's integers pass as torch's own integer arguments do (num_workers), become
+    Python ints, and numpy's bools are refused as Python's are."""
+    loader = DataLoader(Images(16), batch_size=4, num_workers=np.int64(2),
+                        slot_bytes=np.int64(SLOT), num_slots=np.int32(9))
+    assert (type(loader.slot_bytes), type(loader.num_slots)) == (int, int)
+    got = list(loader)
+    assert [torch.equal(a, b) for a, b in zip(got, _expected(16, 4))] == [True] * 4
+    assert loader.stats().ring_slots == 9
+    for bad in (True, np.True_, 2.0, "9"):
+        with pytest.raises(ValueError, match="num_slots should be a positive int"):
+            DataLoader(Images(16), batch_size=4, num_workers=2, num_slots=bad)
+
+
 def test_kept_small_leaves_hold_no_slot(monkeypatch):
     """Labels kept for a metric (the small leaf of each batch) are copies: they hold no
     slot, so the ring keeps delivering (no batch by torch's transport, no warning), and
