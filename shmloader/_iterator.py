@@ -71,7 +71,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         loader._take_resume()  # this iterator resumes it
         self._progress = loader._progress
         self._resume = resume
-        self._replay = set()  # positions of batches to fetch again and drop (see _resume_epoch)
+        self._replay = []  # per worker, its batches to fetch again and drop (see _resume_epoch)
         self._died = None  # the message of the WorkerDied that ended this iterator
         self._skip = set()  # epoch indices not to fetch again (in_order=False resume)
         self._pending_first_draw = None
@@ -280,9 +280,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._num_yielded = resume.skip + len(resume.skip_beyond)
         if resume.replay:
             if resume.replayed:
-                # By position in the epoch, not by count: with in_order=False
-                # the batches yielded were not the first ones to arrive.
-                self._replay = set(range(resume.skip)) | set(resume.skip_beyond)
+                # Each worker's first batches, however many of its the
+                # interrupted run yielded: with in_order=False, neither the
+                # first batches to arrive nor those at the same positions.
+                self._replay = list(resume.yielded_by_worker)
                 warn(replay_message(resume.replayed))
             return
         self._pending_first_draw = resume
@@ -476,11 +477,12 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         wrote its pipe before publishing a later slot, and published before
         writing a later message).  So taking the slots, then the pipes, and
         sorting by task id keeps every worker's results in its own order,
-        which in_order=False yields as they come; but the slots taken after
-        reading messages (to include those published before them) may hold
-        one published after a message not read yet, which then overtakes it.
-        (in_order=True puts results in task order anyway: there the pipes
-        are read as the sleep found them, sparing a poll() per batch.)"""
+        which in_order=False yields as they come (and a resume's replay of an
+        IterableDataset counts on: see _resume_epoch); for that, the pipes
+        that fired are read to the end, so that no slot taken after reading
+        them (to include those published before the messages) overtakes a
+        message.  (in_order=True puts results in task order anyway: there a
+        pipe's first message is read, sparing a poll() per message.)"""
         leases = self._acquire_all()
         if leases:
             # Only a look at the pipes (one poll()), no sleep.
@@ -498,7 +500,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             leases = self._acquire_all()  # what the sleep ended for
             if leases and not self._in_order:
                 fired = self._ring.wait(0, self._pool.wait_fds) or []
-        messages = self._pool.receive(fired)
+        messages = self._pool.receive(fired, drain=not self._in_order)
         arrivals = [(lease.seq, lease) for lease in leases]
         for worker_id, msg in messages:
             arrivals.append(self._accept(worker_id, msg))
@@ -631,8 +633,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     def _process_data(self, data, worker_id, idx):
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
-        if idx in self._replay:  # resuming an IterableDataset that cannot say where it was
-            self._replay.discard(idx)
+        if self._replay and self._replay[worker_id]:  # resuming an IterableDataset without state
+            self._replay[worker_id] -= 1
             _discard(data)
             return _REPLAYED
         if _kind(data) == "error":

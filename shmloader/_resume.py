@@ -36,7 +36,8 @@ from array import array
 import numpy as np
 import torch
 
-STATE_VERSION = 2  # 2: the config names the sampler and batch sampler
+# 2: the config names the sampler and batch sampler; 3: batches yielded per worker
+STATE_VERSION = 3
 # Room kept at the end of every slot for the worker state its batch carries
 # (about 10 KB of RNG states, plus an IterableDataset's state), so that it
 # never makes a batch spill.
@@ -110,6 +111,10 @@ class Progress:
     finished: bool = False  # ... and ran out
     yielded: int = 0  # epoch indices below this were all yielded
     yielded_beyond: set = dataclasses.field(default_factory=set)  # in_order=False
+    # Batches (and errors) yielded from each worker this epoch: what identifies
+    # an IterableDataset's batches, whose epoch positions under in_order=False
+    # depend on timing.
+    yielded_by_worker: list = dataclasses.field(default_factory=list)
     base_seed: int | None = None
     generator_state: torch.Tensor | None = None  # loader.generator at epoch start
     torch_rng_state: torch.Tensor | None = None  # torch's global RNG at epoch start
@@ -129,6 +134,7 @@ class Progress:
         self.epoch, self.started, self.finished = epoch, True, False
         self.sampler_started = sampler_started
         self.yielded, self.yielded_beyond = 0, set()
+        self.yielded_by_worker = [0] * num_workers
         self.base_seed = base_seed
         self.generator_state = (loader.generator.get_state()
                                 if loader.generator is not None else None)
@@ -152,6 +158,7 @@ class Progress:
         self.epoch, self.started, self.finished = other.epoch, True, False
         self.sampler_started = True
         self.yielded, self.yielded_beyond = 0, set()
+        self.yielded_by_worker = [0] * len(self.yielded_by_worker)
         self.epoch_start_worker_states = list(self.worker_states)
         self.base_seed = other.base_seed
         self.generator_state = other.generator_state
@@ -163,6 +170,9 @@ class Progress:
         """The epoch goes on where a loaded state left it."""
         state = resume.state
         self.yielded, self.yielded_beyond = resume.skip, set(resume.skip_beyond)
+        saved = resume.yielded_by_worker  # (another num_workers with seed_per_sample)
+        self.yielded_by_worker = list(saved) if len(saved) == len(self.yielded_by_worker) \
+            else [0] * len(self.yielded_by_worker)
         self.generator_state = state["generator_state"]
         self.torch_rng_state = state["torch_rng_state"]
         self.sampler_state = state["sampler_state"]
@@ -171,8 +181,14 @@ class Progress:
         self.epoch_start_worker_states = list(state["epoch_start_worker_states"])
 
     def batch_yielded(self, idx: int, worker_id, worker_state) -> None:
+        self.yielded_by_worker[worker_id] += 1
+        if worker_state is not None:
+            self.worker_states[worker_id] = worker_state
         if idx < self.yielded:
-            return  # fetched again after resuming (replayed), counted already
+            # In a replayed IterableDataset's epoch, a position the interrupted
+            # run had yielded (positions differ under in_order=False): the
+            # batch is counted by its worker above.
+            return
         if idx == self.yielded:
             self.yielded += 1
             while self.yielded in self.yielded_beyond:
@@ -180,8 +196,6 @@ class Progress:
                 self.yielded += 1
         else:
             self.yielded_beyond.add(idx)
-        if worker_state is not None:
-            self.worker_states[worker_id] = worker_state
 
 
 def _stateful_sampler(loader):
@@ -232,6 +246,8 @@ _FIELDS = {
     "batches_yielded": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
     "batches_yielded_beyond": ("a list of ints",
                                lambda v: isinstance(v, list) and all(map(_is_int, v))),
+    "batches_yielded_by_worker": ("a list of ints >= 0", lambda v: isinstance(v, list) and all(
+        _is_int(n) and n >= 0 for n in v)),
     "base_seed": ("an int or None", lambda v: v is None or _is_int(v)),
     "generator_state": ("a tensor or None", lambda v: v is None or isinstance(v, torch.Tensor)),
     "torch_rng_state": ("a tensor or None", lambda v: v is None or isinstance(v, torch.Tensor)),
@@ -263,6 +279,7 @@ def state_dict(loader, progress: Progress) -> dict:
         "epoch_finished": finished,
         "batches_yielded": 0 if finished else progress.yielded,
         "batches_yielded_beyond": [] if finished else sorted(progress.yielded_beyond),
+        "batches_yielded_by_worker": [] if finished else list(progress.yielded_by_worker),
         "base_seed": progress.base_seed if progress.started else None,
         "generator_state": generator_now if finished else progress.generator_state,
         "torch_rng_state": None if finished else progress.torch_rng_state,
@@ -315,6 +332,7 @@ class Resume:
         self.finished = state["epoch_finished"]
         self.skip = state["batches_yielded"]
         self.skip_beyond = set(state["batches_yielded_beyond"])
+        self.yielded_by_worker = state["batches_yielded_by_worker"]
         # An IterableDataset that cannot say where it was is replayed.
         self.replay = loader._dataset_kind == 1 and \
             not callable(getattr(loader.dataset, "load_state_dict", None))

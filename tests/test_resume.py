@@ -362,8 +362,9 @@ class _SlowWorker(torch.utils.data.IterableDataset):
 
 @pytest.mark.filterwarnings("ignore:shmloader. resuming")
 def test_replay_drops_the_batches_yielded_with_in_order_false():
-    """The batches a replay drops are those at the positions the interrupted run yielded
-    (worker 0's first two here), not the first to arrive again (worker 0's are now late)."""
+    """The batches a replay drops are each worker's first, as many as the interrupted run
+    yielded of its (worker 0's first two here), not the first to arrive again (worker 0's
+    are now late), nor those at the same positions (which depend on timing)."""
     import shmloader
 
     kw = dict(batch_size=2, num_workers=2, in_order=False)
@@ -442,7 +443,7 @@ def test_num_workers_may_differ_with_seed_per_sample():
     loader.load_state_dict(state)  # no error; resumed results: sample_seeded_w2_resumed_w1
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, 99, None, "2"])
+@pytest.mark.parametrize("version", [0, 1, 2, 99, None, "3"])
 def test_wrong_version_raises(version):
     state = _mid_epoch_state(lambda: _map_loader(batch_size=4))
     state["version"] = version
