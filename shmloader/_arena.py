@@ -223,10 +223,19 @@ class Measure:
         self.used = 0
 
     def place_all(self, leaves) -> list:
-        # Each leaf on its own: at least what Arena.place takes for shared ones.
+        """Each leaf on its own (at least what Arena.place takes for shared
+        ones), with a reference as long as the real one will be, so that the
+        metadata is measured too."""
+        refs = []
         for leaf in leaves:
-            self.used = (self.used + ALIGN - 1) // ALIGN * ALIGN + leaf.nbytes
-        return [("measure",)] * len(leaves)
+            offset = (self.used + ALIGN - 1) // ALIGN * ALIGN
+            self.used = offset + leaf.nbytes
+            if isinstance(leaf, np.ndarray):
+                refs.append((_layout.NDARRAY, offset, leaf.dtype, leaf.shape, leaf.strides))
+            else:
+                refs.append((_layout.TENSOR, offset, leaf.dtype, tuple(leaf.shape), leaf.stride(),
+                             leaf.numel(), leaf.requires_grad, True))
+        return refs
 
 
 def slot_bytes_needed(batch) -> int:

@@ -18,7 +18,7 @@ slot leaves pickled as a call of _slot_leaf on the number of its reference, so
 that the pickle memo keeps a leaf that occurs twice one object.  The batch is
 pickled once, its leaves collected on the way and placed after it (the placer
 sees them all, and so which of them share their bytes), so that a __reduce__ of
-the user's runs once, as under torch's transport.  Reference tuples:
+the user's runs once, as under torch's transport (for a batch that fits its slot).  Reference tuples:
     ("t", byte_offset, torch.dtype, shape, stride, span in elements, requires_grad,
      alone: no other leaf views its bytes)
     ("n", byte_offset, numpy dtype, shape, strides)

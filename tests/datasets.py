@@ -263,6 +263,11 @@ def repeated_objects_collate(batch):
             "x": x, "xs": [x, x], "array": array, "arrays": (array, array), "name": name}
 
 
+def many_leaves_collate(batch):
+    """For IndexMap samples: 5,000 small tensors, whose metadata outweighs their bytes."""
+    return [torch.full((3,), float(k + s[0])) for s in batch for k in range(5000)]
+
+
 def strided_collate(batch):
     """For IndexMap samples: tensors alone on their storages that span all of it but are not
     contiguous, and one that is a gappy part of a larger storage."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from shmloader import DataLoader, SharedMemoryError, _layout
+from tests import datasets as D
 from tests.datasets_lifecycle import Images
 
 # Slots held by batches are what these tests are about: small leaves stay views.
@@ -356,6 +357,24 @@ def test_numpy_integers_are_accepted_as_slot_sizes_and_counts():
     for bad in (True, np.True_, 2.0, "9"):
         with pytest.raises(ValueError, match="num_slots should be a positive int"):
             DataLoader(Images(16), batch_size=4, num_workers=2, num_slots=bad)
+
+
+def test_ring_sizing_counts_the_metadata_of_many_leaves():
+    """The first batches size the ring, their metadata included: a batch of thousands of
+    small leaves (whose references outweigh their bytes) fits the slot its measure asks for."""
+    from shmloader._arena import Arena, slot_bytes_needed
+    from shmloader._ring import Ring
+
+    batch = D.many_leaves_collate([(0, None)])
+    needed = slot_bytes_needed(batch)
+    ring = Ring.create_in("/dev/shm", 1, 8 << 20)
+    slot = ring.claim()
+    memory = ring.memory(slot)
+    arena = Arena(memory, torch.frombuffer(memory, dtype=torch.uint8).untyped_storage())
+    meta = _layout.dumps(batch, arena.place_all, 1)
+    arena.write_meta(meta)
+    assert arena.used <= needed
+    ring.abandon(slot)
 
 
 def test_kept_small_leaves_hold_no_slot(monkeypatch):
