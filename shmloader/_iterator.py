@@ -71,7 +71,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         loader._take_resume()  # this iterator resumes it
         self._progress = loader._progress
         self._resume = resume
-        self._replay = []  # per worker, its batches to fetch again and drop (see _resume_epoch)
+        # Per worker, the numbers of its tasks to fetch again and drop (see _resume_epoch).
+        self._replay = None
         self._died = None  # the message of the WorkerDied that ended this iterator
         self._skip = set()  # epoch indices not to fetch again (in_order=False resume)
         self._pending_first_draw = None
@@ -261,6 +262,12 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
+        # IterableDataset: each task's number among its worker's, and how many
+        # each worker was sent (see Progress.batch_yielded).
+        iterable = self._dataset_kind == _DatasetKind.Iterable
+        self._task_numbers = {} if iterable else None
+        self._tasks_sent = [0] * self._num_workers
+        self._replay = None
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         self._next_epoch_at = self._prefetched = None
         if resume is not None:
@@ -280,10 +287,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._num_yielded = resume.skip + len(resume.skip_beyond)
         if resume.replay:
             if resume.replayed:
-                # Each worker's first batches, however many of its the
-                # interrupted run yielded: with in_order=False, neither the
+                # The batches the interrupted run yielded, known by their
+                # worker's task numbers: with in_order=False, neither the
                 # first batches to arrive nor those at the same positions.
-                self._replay = list(resume.yielded_by_worker)
+                self._replay = [(below, set(beyond)) for below, beyond in resume.yielded_by_worker]
                 warn(replay_message(resume.replayed))
             return
         self._pending_first_draw = resume
@@ -426,6 +433,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._position += len(index) if self._auto_collation else 1
         early = self._dispatch(worker_id, task_id, index, position)
         self._workers_num_tasks[worker_id] += 1
+        if self._task_numbers is not None:
+            self._task_numbers[self._send_idx] = self._tasks_sent[worker_id]
+            self._tasks_sent[worker_id] += 1
         if early is None:
             self._task_info[self._send_idx] = (worker_id,)
             self._tasks_outstanding += 1
@@ -477,12 +487,13 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         wrote its pipe before publishing a later slot, and published before
         writing a later message).  So taking the slots, then the pipes, and
         sorting by task id keeps every worker's results in its own order,
-        which in_order=False yields as they come (and a resume's replay of an
-        IterableDataset counts on: see _resume_epoch); for that, the pipes
-        that fired are read to the end, so that no slot taken after reading
-        them (to include those published before the messages) overtakes a
-        message.  (in_order=True puts results in task order anyway: there a
-        pipe's first message is read, sparing a poll() per message.)"""
+        which in_order=False yields as they come; but the slots taken after
+        reading messages (to include those published before them) may hold
+        one published after a message not read yet, which then overtakes it.
+        (So a resume's replay knows batches by their task numbers, not their
+        order: see _resume_epoch.  in_order=True puts results in task order
+        anyway: there the pipes are read as the sleep found them, sparing a
+        poll() per batch.)"""
         leases = self._acquire_all()
         if leases:
             # Only a look at the pipes (one poll()), no sleep.
@@ -500,7 +511,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             leases = self._acquire_all()  # what the sleep ended for
             if leases and not self._in_order:
                 fired = self._ring.wait(0, self._pool.wait_fds) or []
-        messages = self._pool.receive(fired, drain=not self._in_order)
+        messages = self._pool.receive(fired)
         arrivals = [(lease.seq, lease) for lease in leases]
         for worker_id, msg in messages:
             arrivals.append(self._accept(worker_id, msg))
@@ -633,15 +644,17 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     def _process_data(self, data, worker_id, idx):
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
-        if self._replay and self._replay[worker_id]:  # resuming an IterableDataset without state
-            self._replay[worker_id] -= 1
-            _discard(data)
-            return _REPLAYED
+        number = self._task_numbers.pop(idx) if self._task_numbers is not None else None
+        if self._replay is not None:  # resuming an IterableDataset without state
+            below, beyond = self._replay[worker_id]
+            if number < below or number in beyond:
+                _discard(data)
+                return _REPLAYED
         if _kind(data) == "error":
-            self._progress.batch_yielded(idx, worker_id, None)
+            self._progress.batch_yielded(idx, worker_id, None, number)
             data[2].reraise()
         batch, worker_state = self._unpack(data)
-        self._progress.batch_yielded(idx, worker_id, worker_state)
+        self._progress.batch_yielded(idx, worker_id, worker_state, number)
         if self._pin_memory and not (self._registered and _kind(data) == "slot"):
             batch = _utils.pin_memory.pin_memory(batch, self._pin_memory_device)
         if self._device_stage is not None:

@@ -160,20 +160,16 @@ class WorkerPool:
         except OSError:
             pass
 
-    def receive(self, fired_fds, drain: bool = False):
-        """(worker_id, message) for each result pipe among `fired_fds` (with
-        `drain`, every message waiting there, not only the first); raises
+    def receive(self, fired_fds):
+        """(worker_id, message) for each result pipe among `fired_fds`; raises
         WorkerDied when a sentinel fired for a worker that was not told to
         exit."""
         messages = []
         for fd in fired_fds:
             worker_id = self._conn_of_fd.get(fd)
             if worker_id is not None:
-                conn = self._results[worker_id]
                 try:
-                    messages.append((worker_id, conn.recv()))
-                    while drain and conn.poll():
-                        messages.append((worker_id, conn.recv()))
+                    messages.append((worker_id, self._results[worker_id].recv()))
                 except (EOFError, OSError):
                     self.processes[worker_id].join(1.0)
                     self.raise_if_dead()

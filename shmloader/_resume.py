@@ -111,9 +111,10 @@ class Progress:
     finished: bool = False  # ... and ran out
     yielded: int = 0  # epoch indices below this were all yielded
     yielded_beyond: set = dataclasses.field(default_factory=set)  # in_order=False
-    # Batches (and errors) yielded from each worker this epoch: what identifies
-    # an IterableDataset's batches, whose epoch positions under in_order=False
-    # depend on timing.
+    # Per worker, which of its batches (and errors) this epoch were yielded, by
+    # their number among its tasks: what identifies an IterableDataset's
+    # batches (a worker's k-th task gets its k-th), whose epoch positions
+    # under in_order=False depend on timing.  (numbers below, set beyond)
     yielded_by_worker: list = dataclasses.field(default_factory=list)
     base_seed: int | None = None
     generator_state: torch.Tensor | None = None  # loader.generator at epoch start
@@ -134,7 +135,7 @@ class Progress:
         self.epoch, self.started, self.finished = epoch, True, False
         self.sampler_started = sampler_started
         self.yielded, self.yielded_beyond = 0, set()
-        self.yielded_by_worker = [0] * num_workers
+        self.yielded_by_worker = [(0, set()) for _ in range(num_workers)]
         self.base_seed = base_seed
         self.generator_state = (loader.generator.get_state()
                                 if loader.generator is not None else None)
@@ -158,7 +159,7 @@ class Progress:
         self.epoch, self.started, self.finished = other.epoch, True, False
         self.sampler_started = True
         self.yielded, self.yielded_beyond = 0, set()
-        self.yielded_by_worker = [0] * len(self.yielded_by_worker)
+        self.yielded_by_worker = [(0, set()) for _ in self.yielded_by_worker]
         self.epoch_start_worker_states = list(self.worker_states)
         self.base_seed = other.base_seed
         self.generator_state = other.generator_state
@@ -171,23 +172,39 @@ class Progress:
         state = resume.state
         self.yielded, self.yielded_beyond = resume.skip, set(resume.skip_beyond)
         saved = resume.yielded_by_worker  # (another num_workers with seed_per_sample)
-        self.yielded_by_worker = list(saved) if len(saved) == len(self.yielded_by_worker) \
-            else [0] * len(self.yielded_by_worker)
+        if len(saved) == len(self.yielded_by_worker):
+            self.yielded_by_worker = [(below, set(beyond)) for below, beyond in saved]
         self.generator_state = state["generator_state"]
         self.torch_rng_state = state["torch_rng_state"]
         self.sampler_state = state["sampler_state"]
         self.sampler_started = state["sampler_started"]
-        self.worker_states = [resume.worker_state(i) for i in range(len(self.worker_states))]
+        # Where each worker stood after its last yielded batch (a replay's
+        # workers start from the epoch's start, and get there again).
+        saved_states = state["worker_states"]
+        self.worker_states = [saved_states[i] if i < len(saved_states) else None
+                              for i in range(len(self.worker_states))]
         self.epoch_start_worker_states = list(state["epoch_start_worker_states"])
 
-    def batch_yielded(self, idx: int, worker_id, worker_state) -> None:
-        self.yielded_by_worker[worker_id] += 1
+    def batch_yielded(self, idx: int, worker_id, worker_state, number=None) -> None:
+        """Batch `idx` of the epoch was yielded (or raised): its worker's
+        task `number` (IterableDataset only), leaving that worker in
+        `worker_state` (None: unchanged)."""
+        if number is not None:
+            below, beyond = self.yielded_by_worker[worker_id]
+            if number == below:
+                below += 1
+                while below in beyond:
+                    beyond.discard(below)
+                    below += 1
+                self.yielded_by_worker[worker_id] = (below, beyond)
+            else:
+                beyond.add(number)
         if worker_state is not None:
             self.worker_states[worker_id] = worker_state
         if idx < self.yielded:
             # In a replayed IterableDataset's epoch, a position the interrupted
             # run had yielded (positions differ under in_order=False): the
-            # batch is counted by its worker above.
+            # batch is known by its worker's number above.
             return
         if idx == self.yielded:
             self.yielded += 1
@@ -239,6 +256,11 @@ def _worker_states(value) -> bool:
 
 
 # What each field of a state must be: (description, test).
+def _yielded_numbers(value) -> bool:
+    return isinstance(value, list) and len(value) == 2 and _is_int(value[0]) \
+        and value[0] >= 0 and isinstance(value[1], list) and all(map(_is_int, value[1]))
+
+
 _FIELDS = {
     "config": ("a dict", lambda v: isinstance(v, dict)),
     "epoch": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
@@ -246,8 +268,8 @@ _FIELDS = {
     "batches_yielded": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
     "batches_yielded_beyond": ("a list of ints",
                                lambda v: isinstance(v, list) and all(map(_is_int, v))),
-    "batches_yielded_by_worker": ("a list of ints >= 0", lambda v: isinstance(v, list) and all(
-        _is_int(n) and n >= 0 for n in v)),
+    "batches_yielded_by_worker": ("a list of [int >= 0, list of ints] per worker",
+                                  lambda v: isinstance(v, list) and all(_yielded_numbers(w) for w in v)),
     "base_seed": ("an int or None", lambda v: v is None or _is_int(v)),
     "generator_state": ("a tensor or None", lambda v: v is None or isinstance(v, torch.Tensor)),
     "torch_rng_state": ("a tensor or None", lambda v: v is None or isinstance(v, torch.Tensor)),
@@ -279,7 +301,8 @@ def state_dict(loader, progress: Progress) -> dict:
         "epoch_finished": finished,
         "batches_yielded": 0 if finished else progress.yielded,
         "batches_yielded_beyond": [] if finished else sorted(progress.yielded_beyond),
-        "batches_yielded_by_worker": [] if finished else list(progress.yielded_by_worker),
+        "batches_yielded_by_worker": [] if finished else
+        [[below, sorted(beyond)] for below, beyond in progress.yielded_by_worker],
         "base_seed": progress.base_seed if progress.started else None,
         "generator_state": generator_now if finished else progress.generator_state,
         "torch_rng_state": None if finished else progress.torch_rng_state,

@@ -380,6 +380,63 @@ def test_replay_drops_the_batches_yielded_with_in_order_false():
     assert sorted(got) == sorted(w * 100 + i for w in range(2) for i in range(6))
 
 
+@pytest.mark.filterwarnings("ignore:shmloader. resuming")
+def test_replay_drops_a_workers_batches_that_arrived_out_of_its_order():
+    """Under in_order=False a worker's later batch can arrive before an earlier one (a slot
+    overtaking a pipe message): the state names the batches each worker yielded by their
+    task numbers, and the replay drops exactly those (here worker 0's tasks 0 and 2)."""
+    import shmloader
+
+    kw = dict(batch_size=2, num_workers=2, in_order=False)
+    loader = shmloader.DataLoader(_SlowWorker(slow=1), **kw)
+    it = iter(loader)
+    next(it)
+    state = roundtrip(loader.state_dict())
+    del it, loader
+    assert state["batches_yielded_by_worker"] == [[1, []], [0, []]]
+    state["batches_yielded_by_worker"] = [[1, [2]], [0, []]]  # as if [4, 5] overtook [2, 3]
+    state["batches_yielded"], state["batches_yielded_beyond"] = 1, [2]
+    resumed = shmloader.DataLoader(_SlowWorker(slow=0), **kw)
+    resumed.load_state_dict(state)
+    rest = sorted(x for batch in resumed for x in batch.tolist())
+    assert rest == [2, 3] + [100 + i for i in range(6)]
+
+
+@pytest.mark.filterwarnings("ignore:shmloader. resuming")
+def test_replayed_epochs_end_state_keeps_each_workers_rng():
+    """A replay yields nothing new from a worker whose batches were all yielded before: a
+    checkpoint at the epoch's end still has that worker's state after its last batch, so
+    the next epoch's random draws are the uninterrupted run's, not a repeat."""
+    import shmloader
+
+    def make():
+        return shmloader.DataLoader(_RandomStream(), batch_size=2, num_workers=1,
+                                    persistent_workers=True,
+                                    generator=torch.Generator().manual_seed(0))
+
+    reference = make()
+    expected = [[b.tolist() for b in reference] for _ in range(2)]
+    first = make()
+    it = iter(first)
+    got = [next(it).tolist(), next(it).tolist()]
+    state = roundtrip(first.state_dict())
+    del it, first
+    replaying = make()
+    replaying.load_state_dict(state)
+    got += [b.tolist() for b in replaying]  # replays both batches, drops them: the epoch ends
+    state = roundtrip(replaying.state_dict())
+    del replaying
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [got, [b.tolist() for b in resumed]] == expected
+
+
+class _RandomStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for _ in range(4):
+            yield torch.rand(1).item()
+
+
 def test_state_before_iter_is_plain():
     loader = D.SCENARIOS["shuffle_gen_w2"]["make"]()
     state = loader.state_dict()
