@@ -651,7 +651,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 _discard(data)
                 return _REPLAYED
         if _kind(data) == "error":
-            self._progress.batch_yielded(idx, worker_id, None, number)
+            self._progress.batch_yielded(idx, worker_id, data[3] if len(data) > 3 else None, number)
             data[2].reraise()
         batch, worker_state = self._unpack(data)
         self._progress.batch_yielded(idx, worker_id, worker_state, number)

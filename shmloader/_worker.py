@@ -33,7 +33,7 @@ Protocol (main -> worker, over the worker's task socket):
     None                             exit
 Worker -> main, over the worker's result pipe:
     ("batch", task_id, reason, data, slot_bytes_needed or 0, samples, state or None)
-    ("error", task_id, ExceptionWrapper)
+    ("error", task_id, ExceptionWrapper[, worker state after it (see _resume)])
     ("row_error", task_id, row, ExceptionWrapper)   sent before the row is counted done
     ("layout", task_id, SampleLayout)
     ("stop", task_id)                an IterableDataset ran out
@@ -480,7 +480,10 @@ class _Work:
             self.give_back(slot)
             if isinstance(e, StopIteration) and cfg.dataset_kind == _DatasetKind.Iterable:
                 return ("stop", task_id), True
-            return ("error", task_id, ExceptionWrapper(where=self.where)), False
+            # With the worker's state: the draws made before the error are
+            # part of where a resume starts (an error is a yielded item).
+            return ("error", task_id, ExceptionWrapper(where=self.where),
+                    self._snapshot_after_error()), False
         samples = self.collate_fn.samples
         state = worker_snapshot(self.stateful) if self.snapshots else None
         if arena is not None and (self.slot_collate is None or self.slot_collate.arena is not None):
@@ -596,6 +599,16 @@ class _Work:
             ring.row_done(slot, failed)
         return None
 
+
+    def _snapshot_after_error(self):
+        """worker_snapshot() after a failed fetch, or None (not kept, or the
+        dataset cannot say where it is now)."""
+        if not self.snapshots:
+            return None
+        try:
+            return worker_snapshot(self.stateful)
+        except Exception:
+            return None
 
     def _shm_full(self, cause: OSError):
         """A slot's pages could not be reserved: its batch's error (torch's

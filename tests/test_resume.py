@@ -431,6 +431,46 @@ def test_replayed_epochs_end_state_keeps_each_workers_rng():
     assert [got, [b.tolist() for b in resumed]] == expected
 
 
+class _DrawsThenFails(torch.utils.data.Dataset):
+    """Each sample draws a random number; sample 1 raises after its draw."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        r = torch.rand(1).item()
+        if i == 1:
+            raise ValueError("bad sample 1")
+        return i, r
+
+
+def test_resume_after_a_failed_batch_keeps_its_draws():
+    """A failed batch is a yielded item: the state after it includes the random draws its
+    samples made before the error, so the resumed batches are the uninterrupted run's."""
+    import shmloader
+
+    def make():
+        return shmloader.DataLoader(_DrawsThenFails(), batch_size=2, num_workers=1,
+                                    generator=torch.Generator().manual_seed(0))
+
+    def rest(it):
+        return [[x.tolist() for x in batch] for batch in it]
+
+    expected_it = iter(make())
+    with pytest.raises(ValueError, match="bad sample 1"):
+        next(expected_it)
+    expected = rest(expected_it)
+    loader = make()
+    it = iter(loader)
+    with pytest.raises(ValueError, match="bad sample 1"):
+        next(it)
+    state = roundtrip(loader.state_dict())
+    del it, loader
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert rest(resumed) == expected
+
+
 class _RandomStream(torch.utils.data.IterableDataset):
     def __iter__(self):
         for _ in range(4):
