@@ -158,7 +158,7 @@ class Arena:
                               order=order)
             view[...] = leaf
             # The dtype itself: its .str would drop a structured dtype's fields.
-            return (_layout.NDARRAY, offset, leaf.dtype, view.shape, view.strides)
+            return _layout.array_ref(offset, leaf.dtype, view.shape, view.strides)
         shared = False  # whether other leaves view its bytes too
         if self.owns(leaf):
             leaf_ref = leaf  # stacked by SlotCollate, apart from every other leaf
@@ -175,10 +175,8 @@ class Arena:
             with torch.no_grad():
                 copy.copy_(leaf)
             leaf_ref = copy
-        offset = leaf_ref.storage_offset() * leaf.dtype.itemsize
-        stride = leaf_ref.stride()
-        return (_layout.TENSOR, offset, leaf.dtype, tuple(leaf.shape), stride,
-                _layout.span_elements(leaf.shape, stride), leaf.requires_grad, not shared)
+        return _layout.tensor_ref(leaf_ref.storage_offset() * leaf.dtype.itemsize, leaf.dtype,
+                                  leaf.shape, leaf_ref.stride(), leaf.requires_grad, not shared)
 
     def _in_storage_copy(self, leaf: torch.Tensor) -> torch.Tensor:
         """`leaf` as a view, with its own strides, of the slot's one copy of
@@ -231,10 +229,10 @@ class Measure:
             offset = (self.used + ALIGN - 1) // ALIGN * ALIGN
             self.used = offset + leaf.nbytes
             if isinstance(leaf, np.ndarray):
-                refs.append((_layout.NDARRAY, offset, leaf.dtype, leaf.shape, leaf.strides))
+                refs.append(_layout.array_ref(offset, leaf.dtype, leaf.shape, leaf.strides))
             else:
-                refs.append((_layout.TENSOR, offset, leaf.dtype, tuple(leaf.shape), leaf.stride(),
-                             leaf.numel(), leaf.requires_grad, True))
+                refs.append(_layout.tensor_ref(offset, leaf.dtype, leaf.shape, leaf.stride(),
+                                               leaf.requires_grad, True))
         return refs
 
 

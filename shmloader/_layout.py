@@ -18,7 +18,8 @@ slot leaves pickled as a call of _slot_leaf on the number of its reference, so
 that the pickle memo keeps a leaf that occurs twice one object.  The batch is
 pickled once, its leaves collected on the way and placed after it (the placer
 sees them all, and so which of them share their bytes), so that a __reduce__ of
-the user's runs once, as under torch's transport (for a batch that fits its slot).  Reference tuples:
+the user's runs once, as under torch's transport (for a batch that fits its
+slot).  Reference tuples (made by tensor_ref and array_ref):
     ("t", byte_offset, torch.dtype, shape, stride, span in elements, requires_grad,
      alone: no other leaf views its bytes)
     ("n", byte_offset, numpy dtype, shape, strides)
@@ -62,6 +63,17 @@ def is_slot_tensor(obj) -> bool:
 def is_slot_ndarray(obj) -> bool:
     """A numpy array of plain numbers (no objects), which a slot can hold."""
     return type(obj) is np.ndarray and not obj.dtype.hasobject
+
+
+def tensor_ref(offset: int, dtype, shape, stride, requires_grad: bool, alone: bool) -> tuple:
+    """The reference of a tensor leaf at byte `offset` of the slot."""
+    return (TENSOR, offset, dtype, tuple(shape), tuple(stride), span_elements(shape, stride),
+            requires_grad, alone)
+
+
+def array_ref(offset: int, dtype, shape, strides) -> tuple:
+    """The reference of a numpy leaf at byte `offset` of the slot."""
+    return (NDARRAY, offset, dtype, shape, strides)
 
 
 def _slot_leaf(number):
@@ -200,6 +212,8 @@ class _LeafMaker:
         if type(number) is not int or not 0 <= number < len(self.refs):
             raise pickle.UnpicklingError(f"slot reference number {number!r} is not in the metadata")
         ref = self.refs[number]
+        if type(ref) is not tuple or not ref:
+            raise pickle.UnpicklingError(f"slot reference {ref!r} is not a reference")
         kind = ref[0]
         if kind == TENSOR:
             _, offset, dtype, shape, stride, count, requires_grad, alone = ref
@@ -278,7 +292,7 @@ def loads(meta: bytes, slot_buffer, copy_small: bool = True):
     file = io.BytesIO(meta)
     make_leaf = _LeafMaker(slot_buffer, copy_small)
     refs, fallback_leaves, samples, worker_state = _RefUnpickler(file, make_leaf).load()
-    if type(refs) is not list or not all(type(ref) is tuple and ref for ref in refs):
+    if type(refs) is not list:
         raise pickle.UnpicklingError("slot metadata without its list of slot references")
     make_leaf.refs = refs
     # An unpickler of its own: the batch's pickle numbers its memo from 0.

@@ -191,14 +191,7 @@ class Progress:
         `worker_state` (None: unchanged)."""
         if number is not None:
             below, beyond = self.yielded_by_worker[worker_id]
-            if number == below:
-                below += 1
-                while below in beyond:
-                    beyond.discard(below)
-                    below += 1
-                self.yielded_by_worker[worker_id] = (below, beyond)
-            else:
-                beyond.add(number)
+            self.yielded_by_worker[worker_id] = (_mark(below, beyond, number), beyond)
         if worker_state is not None:
             self.worker_states[worker_id] = worker_state
         if idx < self.yielded:
@@ -206,13 +199,20 @@ class Progress:
             # run had yielded (positions differ under in_order=False): the
             # batch is known by its worker's number above.
             return
-        if idx == self.yielded:
-            self.yielded += 1
-            while self.yielded in self.yielded_beyond:
-                self.yielded_beyond.discard(self.yielded)
-                self.yielded += 1
-        else:
-            self.yielded_beyond.add(idx)
+        self.yielded = _mark(self.yielded, self.yielded_beyond, idx)
+
+
+def _mark(below: int, beyond: set, n: int) -> int:
+    """Note n as done in (every number below `below`, and those in `beyond`),
+    updating `beyond`; returns the new `below`."""
+    if n != below:
+        beyond.add(n)
+        return below
+    below += 1
+    while below in beyond:
+        beyond.discard(below)
+        below += 1
+    return below
 
 
 def _stateful_sampler(loader):

@@ -340,5 +340,4 @@ class SampleLayout:
     def _ref(self, i: int, nrows: int):
         dtype, shape = self.dtypes[i], (nrows, *self.shapes[i])
         stride = torch.empty(shape, dtype=dtype, device="meta").stride()
-        count = nrows * self.row_bytes[i] // dtype.itemsize
-        return (_layout.TENSOR, self.offsets[i], dtype, shape, stride, count, False, True)
+        return _layout.tensor_ref(self.offsets[i], dtype, shape, stride, False, True)
