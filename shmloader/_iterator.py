@@ -610,7 +610,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                     del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
             else:
-                self._progress.finished = True
+                self._progress.epoch_ended()
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration
@@ -626,6 +626,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             if _kind(data) == "stop":
                 worker_id = self._task_info[idx][0]
                 self._workers_status[worker_id] = False
+                self._progress.worker_ran_out(worker_id, data[2])
                 if not self._persistent_workers:
                     self._pool.stop(worker_id)
                 self._try_put_index()

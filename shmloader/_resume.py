@@ -129,6 +129,10 @@ class Progress:
     epoch_start_worker_states: list = dataclasses.field(default_factory=list)
     # prefetch_next_epoch: the start of the next epoch, already drawn from.
     next_start: "Progress | None" = None
+    # IterableDataset workers that ran out: their states after it (a
+    # drop_last partial batch's draws), theirs once the epoch has ended and
+    # so every batch they made has been yielded.
+    ran_out_states: dict = dataclasses.field(default_factory=dict)
 
     def epoch_begins(self, loader, epoch: int, base_seed: int | None, num_workers: int,
                      sampler_state, sampler_started: bool = True) -> None:
@@ -142,6 +146,7 @@ class Progress:
         self.torch_rng_state = torch.get_rng_state()
         self.sampler_state = sampler_state
         self.next_start = None
+        self.ran_out_states = {}
         # Workers started for this epoch alone are seeded afresh from its base
         # seed: the previous epoch's workers' states are not theirs.
         fresh_workers = base_seed is not None and not loader.persistent_workers
@@ -166,6 +171,7 @@ class Progress:
         self.torch_rng_state = other.torch_rng_state
         self.sampler_state = other.sampler_state
         self.next_start = None
+        self.ran_out_states = {}
 
     def resumed_from(self, resume: "Resume") -> None:
         """The epoch goes on where a loaded state left it."""
@@ -200,6 +206,17 @@ class Progress:
             # batch is known by its worker's number above.
             return
         self.yielded = _mark(self.yielded, self.yielded_beyond, idx)
+
+
+    def worker_ran_out(self, worker_id: int, worker_state) -> None:
+        if worker_state is not None:
+            self.ran_out_states[worker_id] = worker_state
+
+    def epoch_ended(self) -> None:
+        self.finished = True
+        for worker_id, worker_state in self.ran_out_states.items():
+            self.worker_states[worker_id] = worker_state
+        self.ran_out_states = {}
 
 
 def _mark(below: int, beyond: set, n: int) -> int:

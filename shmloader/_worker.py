@@ -36,7 +36,7 @@ Worker -> main, over the worker's result pipe:
     ("error", task_id, ExceptionWrapper[, worker state after it (see _resume)])
     ("row_error", task_id, row, ExceptionWrapper)   sent before the row is counted done
     ("layout", task_id, SampleLayout)
-    ("stop", task_id)                an IterableDataset ran out
+    ("stop", task_id, state or None) an IterableDataset ran out
     ("resumed",)
 
 A whole batch carries the worker's state after it (see _resume.py), in its
@@ -479,11 +479,13 @@ class _Work:
         except Exception as e:
             self.give_back(slot)
             if isinstance(e, StopIteration) and cfg.dataset_kind == _DatasetKind.Iterable:
-                return ("stop", task_id), True
+                # With the worker's state: the draws of a partial batch that
+                # drop_last discarded are part of where the next epoch starts.
+                return ("stop", task_id, self._snapshot_after_raise()), True
             # With the worker's state: the draws made before the error are
             # part of where a resume starts (an error is a yielded item).
             return ("error", task_id, ExceptionWrapper(where=self.where),
-                    self._snapshot_after_error()), False
+                    self._snapshot_after_raise()), False
         samples = self.collate_fn.samples
         state = worker_snapshot(self.stateful) if self.snapshots else None
         if arena is not None and (self.slot_collate is None or self.slot_collate.arena is not None):
@@ -600,9 +602,10 @@ class _Work:
         return None
 
 
-    def _snapshot_after_error(self):
-        """worker_snapshot() after a failed fetch, or None (not kept, or the
-        dataset cannot say where it is now)."""
+    def _snapshot_after_raise(self):
+        """worker_snapshot() after a fetch that raised (an error, or an
+        IterableDataset's end), or None (not kept, or the dataset cannot say
+        where it is now)."""
         if not self.snapshots:
             return None
         try:

@@ -431,6 +431,58 @@ def test_replayed_epochs_end_state_keeps_each_workers_rng():
     assert [got, [b.tolist() for b in resumed]] == expected
 
 
+class _FiveDraws(torch.utils.data.IterableDataset):
+    """Two batches of 2 and one sample that drop_last discards, each a random draw."""
+
+    def __iter__(self):
+        return (torch.rand(1).item() for _ in range(5))
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["rng", "state_dict"])
+def test_resume_after_a_drop_last_epoch_keeps_the_dropped_samples_draws(stateful):
+    """The sample that drop_last discards still drew from the worker's RNG: a checkpoint
+    at the epoch's end includes that draw, so the next epoch is torch's, not a draw
+    behind."""
+    import shmloader
+
+    dataset = _CountingStream() if stateful else _FiveDraws()
+
+    def make(cls=shmloader.DataLoader):
+        return cls(dataset, batch_size=2, drop_last=True, num_workers=1, persistent_workers=True,
+                   generator=torch.Generator().manual_seed(0))
+
+    reference = make(torch.utils.data.DataLoader)
+    expected = [[b.tolist() for b in reference] for _ in range(2)]
+    first = make()
+    got = [b.tolist() for b in first]
+    state = roundtrip(first.state_dict())
+    del first
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [got, [b.tolist() for b in resumed]] == expected
+
+
+class _CountingStream(torch.utils.data.IterableDataset):
+    """_FiveDraws with a state_dict() of its own: how far it got, where a resume goes on."""
+
+    def __init__(self):
+        self.served = self.skip = 0
+
+    def __iter__(self):
+        skip, self.skip, self.served = self.skip, 0, 0
+        for i in range(5):
+            draw = torch.rand(1).item()
+            if i >= skip:
+                self.served = i + 1
+                yield draw
+
+    def state_dict(self):
+        return {"served": self.served}
+
+    def load_state_dict(self, state):
+        self.skip = state["served"]
+
+
 class _DrawsThenFails(torch.utils.data.Dataset):
     """Each sample draws a random number; sample 1 raises after its draw."""
 
