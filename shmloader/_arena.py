@@ -31,6 +31,11 @@ from ._ring import copy_stream
 ALIGN = 64  # cache line; also a multiple of every dtype's itemsize
 
 
+def aligned(offset: int) -> int:
+    """offset rounded up to the next multiple of ALIGN."""
+    return -(-offset // ALIGN) * ALIGN
+
+
 def _storage_key(leaf: torch.Tensor) -> int:
     """Which storage a tensor views: the storage itself, not its address, since
     two storages over one memory (torch.from_numpy twice over an array) are
@@ -93,7 +98,7 @@ class Arena:
 
     def _alloc(self, nbytes: int, capacity: int | None = None) -> int:
         capacity = self._data_capacity if capacity is None else capacity
-        offset = (self.used + ALIGN - 1) // ALIGN * ALIGN
+        offset = aligned(self.used)
         if offset + nbytes > capacity:
             raise SlotFull(f"{offset + nbytes} bytes needed, slot holds {capacity}")
         self.used = offset + nbytes
@@ -226,7 +231,7 @@ class Measure:
         metadata is measured too."""
         refs = []
         for leaf in leaves:
-            offset = (self.used + ALIGN - 1) // ALIGN * ALIGN
+            offset = aligned(self.used)
             self.used = offset + leaf.nbytes
             if isinstance(leaf, np.ndarray):
                 refs.append(_layout.array_ref(offset, leaf.dtype, leaf.shape, leaf.strides))
@@ -239,7 +244,7 @@ class Measure:
 def slot_bytes_needed(batch) -> int:
     measure = Measure()
     meta = _layout.dumps(batch, measure.place_all, 0)
-    return (measure.used + ALIGN - 1) // ALIGN * ALIGN + len(meta)
+    return aligned(measure.used) + len(meta)
 
 
 class SlotCollate:

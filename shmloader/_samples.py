@@ -34,7 +34,7 @@ from torch.utils.data._utils.collate import (
 )
 
 from . import _layout
-from ._arena import ALIGN
+from ._arena import aligned
 from ._ring import copy_stream
 
 
@@ -252,7 +252,7 @@ class SampleLayout:
         self.offsets = []
         end = 0
         for row_bytes in self.row_bytes:
-            offset = -(-end // ALIGN) * ALIGN
+            offset = aligned(end)
             self.offsets.append(offset)
             end = offset + capacity * row_bytes
         self.slot_bytes = max(end, 1)
