@@ -105,6 +105,12 @@ cdef class Ring:
         return ring
 
     @property
+    def owned_here(self):
+        """Whether this process made or attached this ring; False in a child
+        forked since, whose copy views its parent's slots and batches."""
+        return getpid() == self._owner
+
+    @property
     def nslots(self):
         return shmring_nslots(self._r)
 

@@ -124,7 +124,9 @@ class RingHandover:
 
     def take_spare_ring(self, nslots: int, slot_bytes: int) -> Ring | None:
         ring, self.spare_ring = self.spare_ring, None
-        if ring is not None and ring.nslots == nslots and ring.slot_bytes >= slot_bytes:
+        # (Never a forked child's copy: its workers would write the parent's slots.)
+        if ring is not None and ring.owned_here and ring.nslots == nslots \
+                and ring.slot_bytes >= slot_bytes:
             return ring
         return None
 
@@ -154,5 +156,7 @@ def _settle(ring: Ring) -> None:
 def retire(ring: Ring) -> None:
     """A ring no loader will use again: only the slots batches the user keeps
     still hold keep their pages (see Ring.retire)."""
+    if not ring.owned_here:
+        return  # a forked child's copy of a loader: the slots are its parent's
     _settle(ring)
     ring.retire()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import numbers
+import os
 import warnings
 import weakref
 
@@ -302,9 +303,11 @@ class DataLoader(torch.utils.data.DataLoader):
         return ShmLoaderIter(self)
 
     def __iter__(self):
-        # A persistent iterator whose workers failed (a worker died) starts
+        # A persistent iterator whose workers failed (a worker died), or that
+        # a forked child inherited (its workers are the parent's), starts
         # over with fresh workers instead of being reset.
-        if self._iterator is not None and self._iterator._shutdown:
+        if self._iterator is not None and (self._iterator._shutdown or
+                                           self._iterator._owner_pid != os.getpid()):
             self._iterator = None
         return super().__iter__()
 

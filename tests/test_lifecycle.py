@@ -7,6 +7,7 @@ import gc
 import os
 import pickle
 import resource
+import select
 import signal
 import subprocess
 import sys
@@ -110,6 +111,77 @@ def test_child_forked_while_batch_held_keeps_it():
     images = Images(48)
     for b, got in enumerate(rest, 1):
         assert torch.equal(got, torch.stack([images[i] for i in range(b * 4, b * 4 + 4)])), b
+
+
+def _expected_batches(n, batch_size=4):
+    images = Images(n)
+    return [torch.stack([images[i] for i in range(b, b + batch_size)]).tolist()
+            for b in range(0, n, batch_size)]
+
+
+def _in_forked_child(work):
+    """Start work() in a child forked now, which exits without running the parent's
+    atexit handlers; returns a function that waits for the child and returns what
+    work() returned, or its error."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            result = ("ok", work())
+        except BaseException as e:
+            result = ("error", repr(e))
+        os.write(write, pickle.dumps(result))
+        os._exit(0)
+    os.close(write)
+
+    def result():
+        with os.fdopen(read, "rb") as answer:
+            if not select.select([answer], [], [], 2 * HANG)[0]:
+                os.kill(pid, signal.SIGKILL)
+            data = answer.read()
+        os.waitpid(pid, 0)
+        return pickle.loads(data) if data else ("hung", None)
+    return result
+
+
+def test_forked_child_dropping_its_loader_leaves_the_parents_batches():
+    """A child forked between epochs (to save a checkpoint, say) that drops its copy of
+    the loader must not touch the ring the parent's next epoch fills: torch's parent
+    gets every batch."""
+    loader = DataLoader(Images(32), batch_size=4, num_workers=2, timeout=HANG)
+    for _ in loader:  # the loader keeps its ring for the next epoch
+        pass
+    go_read, go_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(go_write)
+        os.read(go_read, 1)  # the parent's workers have published batches by now
+        del loader
+        gc.collect()
+        os._exit(0)
+    os.close(go_read)
+    it = iter(loader)
+    got = [next(it).tolist()]
+    time.sleep(0.5)  # the prefetched batches wait in the ring
+    os.write(go_write, b"x")
+    os.waitpid(pid, 0)
+    got += [batch.tolist() for batch in it]
+    assert got == _expected_batches(32)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["non_persistent", "persistent"])
+def test_forked_child_iterating_its_loader_uses_workers_of_its_own(persistent):
+    """A child forked between epochs that iterates its copy of the loader gets every
+    batch from workers and a ring of its own, while the parent's next epoch runs."""
+    loader = DataLoader(Images(64), batch_size=4, num_workers=2, timeout=HANG,
+                        persistent_workers=persistent)
+    for _ in loader:  # the loader keeps its ring, or its iterator, for the next epoch
+        pass
+    child = _in_forked_child(lambda: [batch.tolist() for batch in loader])
+    parent = [batch.tolist() for batch in loader]
+    assert child() == ("ok", _expected_batches(64))
+    assert parent == _expected_batches(64)
 
 
 class _Zeros(torch.utils.data.Dataset):
