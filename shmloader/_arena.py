@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.utils.data._utils import collate as _torch_collate
 from torch.utils.data._utils.collate import (
     collate,
     collate_tensor_fn,
@@ -247,20 +248,47 @@ def slot_bytes_needed(batch) -> int:
     return aligned(measure.used) + len(meta)
 
 
+# default_collate_fn_map as torch defines it (a user may change it: torch's
+# default_collate then batches as the changed map says).
+_TORCH_COLLATE_FN_MAP = {
+    torch.Tensor: collate_tensor_fn,
+    np.ndarray: _torch_collate.collate_numpy_array_fn,
+    (np.bool_, np.number, np.object_): _torch_collate.collate_numpy_scalar_fn,
+    float: _torch_collate.collate_float_fn,
+    int: _torch_collate.collate_int_fn,
+    str: _torch_collate.collate_str_fn,
+    bytes: _torch_collate.collate_str_fn,
+}
+
+
+def changed_collation() -> str | None:
+    """What in default_collate_fn_map is not torch's own, or None."""
+    for key, fn in default_collate_fn_map.items():
+        if _TORCH_COLLATE_FN_MAP.get(key) is not fn:
+            return f"its entry for {key!r} is {fn!r}"
+    missing = _TORCH_COLLATE_FN_MAP.keys() - default_collate_fn_map.keys()
+    return f"it has no entry for {next(iter(missing))!r}" if missing else None
+
+
 class SlotCollate:
     """torch's default_collate, except that stacked tensors are allocated in
     the current slot.  With no slot (ring not sized yet, or every slot held)
-    it is exactly default_collate."""
+    it is exactly default_collate; so is it where default_collate_fn_map
+    collates tensors otherwise (its output is then copied into the slot)."""
 
     def __init__(self):
         self.arena: Arena | None = None
-        self._map = {**default_collate_fn_map, torch.Tensor: self._collate_tensor}
 
     def __call__(self, batch):
         if self.arena is None:
             return default_collate(batch)
+        # The map as it is now: the user may change it, as torch's
+        # default_collate follows it.
+        fn_map = dict(default_collate_fn_map)
+        if fn_map.get(torch.Tensor) is collate_tensor_fn:
+            fn_map[torch.Tensor] = self._collate_tensor
         try:
-            return collate(batch, collate_fn_map=self._map)
+            return collate(batch, collate_fn_map=fn_map)
         except SlotFull:
             # The batch outgrew the slot: deliver it whole through torch's
             # path (the caller notices arena is None and counts a spill).

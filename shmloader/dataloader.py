@@ -12,6 +12,7 @@ import torch.utils.data
 from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.collate import default_collate
 
+from ._arena import changed_collation
 from ._cuda import check_device
 from ._iterator import ShmLoaderIter
 from ._resume import Progress, Resume, check_state, state_dict
@@ -87,6 +88,13 @@ def _check_fetch(loader, fetch, assignment):
             "fetch='sample' writes each sample straight into its row of the batch, which is "
             "what the default collate_fn does; a custom collate_fn needs the whole batch at "
             "once. Use fetch='batch' with it, or drop collate_fn.")
+    changed = changed_collation()
+    if changed is not None:
+        raise ValueError(
+            "fetch='sample' writes each sample straight into its row of the batch, as torch's "
+            "own default collation does, but torch.utils.data._utils.collate."
+            f"default_collate_fn_map was changed ({changed}), so default_collate batches "
+            "otherwise. Use fetch='batch'.")
 
 
 def _check_map_style(loader):

@@ -1015,6 +1015,61 @@ def test_strides_of_tensors_spanning_their_storage_like_torch():
 
 
 # --------------------------------------------------------------------------- shm-only knobs
+class _Point:
+    def __init__(self, x):
+        self.x = x
+
+
+class _VariableLengths(tud.Dataset):
+    """Sequences of 10 to 14 values, each with a _Point: what default_collate can batch
+    only through entries added to default_collate_fn_map."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return torch.arange(10 + i % 5, dtype=torch.float32) + i, _Point(i)
+
+
+def _pad(batch, *, collate_fn_map=None):
+    return torch.nn.utils.rnn.pad_sequence(batch, batch_first=True, padding_value=-1)
+
+
+def _collate_points(batch, *, collate_fn_map=None):
+    return torch.tensor([point.x for point in batch])
+
+
+@pytest.mark.parametrize("shm_kw", [{}, {"slot_bytes": 1 << 16}], ids=["sized", "slot_bytes"])
+def test_changed_default_collate_fn_map_collates_like_torch(monkeypatch, shm_kw):
+    """Code that extends torch's default collation through default_collate_fn_map (padding
+    tensors, a type of its own) gets every batch as torch's default_collate makes it, in
+    the ring as before it is sized."""
+    from torch.utils.data._utils.collate import default_collate_fn_map
+    monkeypatch.setitem(default_collate_fn_map, torch.Tensor, _pad)
+    monkeypatch.setitem(default_collate_fn_map, _Point, _collate_points)
+    t = run(TorchDataLoader, _VariableLengths, batch_size=4, num_workers=2, epochs=2)
+    s = run(P(ShmDataLoader, **shm_kw), _VariableLengths, batch_size=4, num_workers=2, epochs=2)
+    assert_results_same(t, s)
+
+
+def test_added_default_collate_fn_map_entry_collates_like_torch(monkeypatch):
+    """An entry for a type of the user's own, torch's tensor collation left as it is:
+    tensors still stack straight into the slot, and the new type is collated as torch's."""
+    from torch.utils.data._utils.collate import default_collate_fn_map
+    monkeypatch.setitem(default_collate_fn_map, _Point, _collate_points)
+    t = run(TorchDataLoader, _ImagesAndPoints, batch_size=4, num_workers=2)
+    s = run(P(ShmDataLoader, slot_bytes=1 << 16), _ImagesAndPoints, batch_size=4, num_workers=2)
+    assert_results_same(t, s)
+
+
+class _ImagesAndPoints(tud.Dataset):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return torch.full((3, 8, 8), i, dtype=torch.uint8), _Point(i)
+
+
 @pytest.mark.parametrize(
     "shm_kw",
     [dict(num_slots=2), dict(slot_bytes=4096), dict(slot_bytes=4096, num_slots=2)],

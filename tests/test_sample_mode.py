@@ -476,6 +476,22 @@ def test_empty_batch_fails_alone_like_torch(batches):
     D.assert_same(want, got, "outcomes")
 
 
+def _pad(batch, *, collate_fn_map=None):
+    return torch.nn.utils.rnn.pad_sequence(batch, batch_first=True)
+
+
+def test_changed_default_collate_fn_map_is_refused(monkeypatch):
+    """Rows of fixed size are torch's own stacking: with default_collate_fn_map changed,
+    default_collate batches otherwise, so fetch="sample" refuses, naming the change."""
+    from torch.utils.data._utils.collate import default_collate_fn_map
+    loader = ShmDataLoader(D.IndexMap(6), batch_size=2, num_workers=2, fetch="sample")
+    monkeypatch.setitem(default_collate_fn_map, torch.Tensor, _pad)
+    with pytest.raises(ValueError, match=r"default_collate_fn_map was changed .*_pad.*fetch='batch'"):
+        iter(loader)
+    with pytest.raises(ValueError, match="default_collate_fn_map"):
+        ShmDataLoader(D.IndexMap(6), batch_size=2, num_workers=2, fetch="sample")
+
+
 @pytest.mark.parametrize("name", list(INVALID))
 def test_invalid_combination_is_value_error_at_construction(name):
     make_dataset, kw = INVALID[name]
