@@ -44,7 +44,7 @@ from ._ring import MAX_SLOTS
 from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
 from ._rings import create_ring, reserve_in_background, retire
 from ._sampler_state import PrefetchedEpoch
-from ._warn import warn
+from ._warn import warn_between_batches
 from ._worker import MEASURE, NO_SLOT
 
 # Slots beyond the prefetch_factor * num_workers batches in flight: the batch
@@ -74,6 +74,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         # Per worker, the numbers of its tasks to fetch again and drop (see _resume_epoch).
         self._replay = None
         self._died = None  # the message of the WorkerDied that ended this iterator
+        # A warning that filters made an error, raised before the next batch (see _warn).
+        self._warning_error = None
         self._skip = set()  # epoch indices not to fetch again (in_order=False resume)
         self._pending_first_draw = None
         if resume is not None:
@@ -181,8 +183,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 self._registered = failure is None
                 if failure is not None and not self._counters.warned_register:
                     self._counters.warned_register = True
-                    warn(f"shmloader: could not pin the ring's memory with CUDA ({failure}); "
-                          "batches are pinned by torch's copy instead.")
+                    self._warn(f"shmloader: could not pin the ring's memory with CUDA ({failure}); "
+                               "batches are pinned by torch's copy instead.")
         self._pool.send_ring(self._ring)
         if self._fetch == "sample":
             self._pool.broadcast(("layout", self._handover.sample_layout))
@@ -225,7 +227,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             return slot
         if not self._counters.warned_ring_full:
             self._counters.warned_ring_full = True
-            warn(
+            self._warn(
                 f"shmloader: all {self._ring.nslots} ring slots are in use (batches still "
                 "referenced by your code, plus those in flight); further batches travel by "
                 "torch's transport until slots are released. Ring memory stays capped at "
@@ -291,7 +293,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 # worker's task numbers: with in_order=False, neither the
                 # first batches to arrive nor those at the same positions.
                 self._replay = [(below, set(beyond)) for below, beyond in resume.yielded_by_worker]
-                warn(replay_message(resume.replayed))
+                self._warn(replay_message(resume.replayed))
             return
         self._pending_first_draw = resume
         for _ in range(resume.skip):
@@ -576,6 +578,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             _discard(payload)
 
     def _next_data(self):
+        if self._warning_error is not None:
+            error, self._warning_error = self._warning_error, None
+            raise error
         if self._died is not None:
             raise WorkerDied(f"this DataLoader iterator ended when a worker died: {self._died} "
                              "iter(loader) starts a new one with fresh workers.")
@@ -695,12 +700,17 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     def _warn_spill(self) -> None:
         if not self._counters.warned_spill:
             self._counters.warned_spill = True
-            warn(
+            self._warn(
                 f"shmloader: a batch did not fit its "
                 f"{self._ring.slot_bytes - self._state_bytes}-byte slot and was "
                 "delivered whole by torch's (slower) transport; later ones that do not fit "
                 "will be too. Pass slot_bytes= to size slots for your largest batch."
             )
+
+    def _warn(self, message: str) -> None:
+        error = warn_between_batches(message)
+        if error is not None and self._warning_error is None:
+            self._warning_error = error
 
     # ---- shutdown -----------------------------------------------------------
 

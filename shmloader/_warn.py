@@ -15,3 +15,14 @@ def warn(message: str) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, stacklevel=level)
+
+
+def warn_between_batches(message: str) -> Warning | None:
+    """warn(message), except that where warning filters turn it into an error
+    (pytest -W error), the error is returned instead of raised: the iterator
+    raises it before its next batch, so no batch or task in flight is lost."""
+    try:
+        warn(message)
+    except Warning as error:
+        return error
+    return None

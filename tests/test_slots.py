@@ -53,6 +53,44 @@ def test_list_of_loader_never_changes_and_warns_once():
         assert torch.equal(got, want)
 
 
+def _each_next_with_warnings_as_errors(loader, hold):
+    """Every next() of an epoch under warnings.simplefilter("error") (pytest -W error):
+    the batch, or the warning raised in its place; up to `hold` batches kept at a time."""
+    got, held = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        it = iter(loader)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return got
+            except UserWarning as warning:
+                got.append(str(warning))
+                continue
+            got.append(batch.clone())
+            held = held[-hold + 1:] + [batch] if hold > 1 else []
+
+
+@pytest.mark.parametrize("case", ["ring_full", "spill"])
+def test_a_warning_made_an_error_loses_no_batch(case):
+    """With warnings turned into errors, shmloader's ring-full and spill warnings are
+    raised between batches: every batch torch yields still arrives, in order (raised
+    where they fire, they took the batch being returned and a task being sent)."""
+    if case == "ring_full":  # a loop keeping 16 batches, more than 8 slots hold
+        dataset, kw, hold, words = Images(64), dict(batch_size=4, num_slots=8), 16, "ring slots"
+        want = _expected(64, 4)
+    else:  # samples that outgrow the slot sized from the first batch
+        dataset, kw, hold, words = D.GrowingMap(8), dict(batch_size=None), 1, "did not fit"
+        want = list(torch.utils.data.DataLoader(dataset, batch_size=None))
+    got = _each_next_with_warnings_as_errors(DataLoader(dataset, num_workers=2, **kw), hold)
+    warned = [item for item in got if isinstance(item, str)]
+    assert len(warned) == 1 and words in warned[0], warned
+    batches = [item for item in got if not isinstance(item, str)]
+    assert len(batches) == len(want)
+    assert all(torch.equal(a, b) for a, b in zip(batches, want))
+
+
 def test_every_third_batch_kept_in_dict_stays_intact():
     loader = DataLoader(Images(600), batch_size=4, num_workers=2, slot_bytes=SLOT,
                         persistent_workers=True)
