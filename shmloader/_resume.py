@@ -50,6 +50,23 @@ def carries_state(dataset_kind: int, seed_per_sample: bool) -> bool:
     return dataset_kind == 1 or not seed_per_sample  # 1: _DatasetKind.Iterable
 
 
+@dataclasses.dataclass(frozen=True)
+class UnsavedState:
+    """Stands for a dataset's or sampler's state that could not be taken.
+    torch's DataLoader never calls their state_dict(), so its failing must
+    not stop iteration: only the loader's state_dict() fails, saying why."""
+
+    reason: str
+
+
+def own_state(obj, whose: str):
+    """obj.state_dict(), or an UnsavedState saying why not."""
+    try:
+        return obj.state_dict()
+    except Exception as e:
+        return UnsavedState(f"{whose} state_dict() raised {type(e).__name__}: {e}")
+
+
 # ---- worker side --------------------------------------------------------------
 
 def worker_snapshot(stateful) -> bytes:
@@ -59,8 +76,13 @@ def worker_snapshot(stateful) -> bytes:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     rng = (version, array("I", internal).tobytes(), gauss, name, keys.tobytes(), pos,
            has_gauss, cached, torch.get_rng_state().numpy().tobytes())
-    return pickle.dumps((rng, stateful.state_dict() if stateful is not None else None),
-                        pickle.HIGHEST_PROTOCOL)
+    dataset_state = own_state(stateful, "the dataset's") if stateful is not None else None
+    try:
+        return pickle.dumps((rng, dataset_state), pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        unsaved = UnsavedState(f"the dataset's state_dict() returned what pickle cannot keep "
+                               f"({type(e).__name__}: {e})")
+        return pickle.dumps((rng, unsaved), pickle.HIGHEST_PROTOCOL)
 
 
 def plain_worker_state(snapshot) -> dict | None:
@@ -99,7 +121,7 @@ def sampler_state(loader):
     """The loader's sampler's own state_dict(), where it has one: taken before
     iter() runs the sampler (a sampler may do its work in __iter__)."""
     stateful = _stateful_sampler(loader)
-    return stateful.state_dict() if stateful is not None else None
+    return own_state(stateful, "the sampler's") if stateful is not None else None
 
 
 @dataclasses.dataclass
@@ -309,7 +331,7 @@ def state_dict(loader, progress: Progress) -> dict:
         # and sampler stood before it was drawn.
         generator_now = progress.next_start.generator_state
         sampler_now = progress.next_start.sampler_state
-    return {
+    state = {
         "version": STATE_VERSION,
         "config": _config(loader),
         # A finished epoch resumes with the next one, from the generator and
@@ -330,6 +352,14 @@ def state_dict(loader, progress: Progress) -> dict:
         [plain_worker_state(s) for s in progress.epoch_start_worker_states],
         "persistent_workers": loader.persistent_workers,
     }
+    parts = [state["sampler_state"]] + [worker.get("dataset") for key in ("worker_states",
+             "epoch_start_worker_states") for worker in state[key] if worker is not None]
+    unsaved = next((part for part in parts if isinstance(part, UnsavedState)), None)
+    if unsaved is not None:
+        raise RuntimeError(f"shmloader cannot save where this loader stands: {unsaved.reason}. "
+                           "Give it a state_dict() that works, or remove its state_dict() "
+                           "method (the loader then saves without that state).")
+    return state
 
 
 def check_state(loader, state) -> dict:

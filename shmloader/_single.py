@@ -8,7 +8,7 @@ import torch
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
 from ._cuda import DeviceStage
-from ._resume import replay_message, sampler_state
+from ._resume import own_state, replay_message, sampler_state
 from ._warn import warn
 
 
@@ -74,12 +74,13 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         try:
             data = super()._next_data()
         except StopIteration:
-            self._progress.finished = True
+            self._progress.epoch_ended()
             raise
         except Exception:
             self._progress.batch_yielded(idx, 0, None)
             raise
-        state = {"dataset": self._stateful.state_dict()} if self._stateful is not None else None
+        state = {"dataset": own_state(self._stateful, "the dataset's")} \
+            if self._stateful is not None else None
         self._progress.batch_yielded(idx, 0, state)
         if self._device_stage is not None:
             data = self._device_stage(data)

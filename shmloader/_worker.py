@@ -481,13 +481,13 @@ class _Work:
             if isinstance(e, StopIteration) and cfg.dataset_kind == _DatasetKind.Iterable:
                 # With the worker's state: the draws of a partial batch that
                 # drop_last discarded are part of where the next epoch starts.
-                return ("stop", task_id, self._snapshot_after_raise()), True
+                return ("stop", task_id, self._snapshot()), True
             # With the worker's state: the draws made before the error are
             # part of where a resume starts (an error is a yielded item).
             return ("error", task_id, ExceptionWrapper(where=self.where),
-                    self._snapshot_after_raise()), False
+                    self._snapshot()), False
         samples = self.collate_fn.samples
-        state = worker_snapshot(self.stateful) if self.snapshots else None
+        state = self._snapshot()
         if arena is not None and (self.slot_collate is None or self.slot_collate.arena is not None):
             try:
                 meta_off, meta_len = arena.write_meta(
@@ -601,17 +601,9 @@ class _Work:
             ring.row_done(slot, failed)
         return None
 
-
-    def _snapshot_after_raise(self):
-        """worker_snapshot() after a fetch that raised (an error, or an
-        IterableDataset's end), or None (not kept, or the dataset cannot say
-        where it is now)."""
-        if not self.snapshots:
-            return None
-        try:
-            return worker_snapshot(self.stateful)
-        except Exception:
-            return None
+    def _snapshot(self):
+        """worker_snapshot() where batches carry the worker's state, else None."""
+        return worker_snapshot(self.stateful) if self.snapshots else None
 
     def _shm_full(self, cause: OSError):
         """A slot's pages could not be reserved: its batch's error (torch's

@@ -483,6 +483,75 @@ class _CountingStream(torch.utils.data.IterableDataset):
         self.skip = state["served"]
 
 
+class _StreamWithBrokenState(torch.utils.data.IterableDataset):
+    """A stream whose state_dict() fails (a base class's NotImplementedError) or returns
+    what pickle cannot keep; torch's DataLoader never calls it."""
+
+    def __init__(self, how):
+        self.how = how
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        return (torch.full((4,), float(i)) for i in range(worker, 12, workers))
+
+    def state_dict(self):
+        if self.how == "raises":
+            raise NotImplementedError("only map-style shards have a state")
+        return {"position": 0, "callback": lambda: None}
+
+
+class _SamplerWithBrokenState(torch.utils.data.Sampler):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+    def __len__(self):
+        return self.n
+
+    def state_dict(self):
+        raise NotImplementedError("no state here")
+
+    def load_state_dict(self, state):
+        raise NotImplementedError("no state here")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("how", ["raises", "unpicklable"])
+def test_a_broken_dataset_state_dict_leaves_iteration_alone(how, num_workers):
+    """torch never calls a dataset's state_dict(): one that fails changes no batch; only
+    the loader's own state_dict() fails, naming what went wrong."""
+    import shmloader
+
+    kw = dict(batch_size=2, num_workers=num_workers)
+    want = [b.tolist() for b in torch.utils.data.DataLoader(_StreamWithBrokenState(how), **kw)]
+    loader = shmloader.DataLoader(_StreamWithBrokenState(how), **kw)
+    it = iter(loader)
+    got = [next(it).tolist()]
+    if how == "raises" or num_workers:  # (without workers, nothing pickles it until saved)
+        words = "NotImplementedError: only map-style" if how == "raises" else "pickle cannot keep"
+        with pytest.raises(RuntimeError, match=f"cannot save where this loader stands: .*{words}"):
+            loader.state_dict()
+    assert got + [b.tolist() for b in it] == want
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_broken_sampler_state_dict_leaves_iteration_alone(num_workers):
+    """Likewise a sampler's state_dict(), which shmloader takes as each epoch begins."""
+    import shmloader
+
+    kw = dict(batch_size=2, num_workers=num_workers)
+    dataset = [float(i) for i in range(8)]
+    want = [b.tolist() for b in
+            torch.utils.data.DataLoader(dataset, sampler=_SamplerWithBrokenState(8), **kw)]
+    loader = shmloader.DataLoader(dataset, sampler=_SamplerWithBrokenState(8), **kw)
+    assert [b.tolist() for b in loader] == want
+    with pytest.raises(RuntimeError, match="sampler's state_dict.. raised NotImplementedError"):
+        loader.state_dict()
+
+
 class _DrawsThenFails(torch.utils.data.Dataset):
     """Each sample draws a random number; sample 1 raises after its draw."""
 
