@@ -678,7 +678,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 counters.ring_full_batches += 1
             else:
                 counters.spilled_batches += 1
-                self._warn_spill()
+                self._warn_spill(data[6])
             counters.samples += data[5]
             return data[3], data[6]
         lease = data  # a SlotLease
@@ -697,11 +697,14 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         counters.samples += samples
         return batch, worker_state
 
-    def _warn_spill(self) -> None:
+    def _warn_spill(self, worker_state) -> None:
         if not self._counters.warned_spill:
             self._counters.warned_spill = True
+            state_bytes = len(worker_state) if worker_state is not None else 0
+            state = (f" (with the worker's state, {state_bytes} bytes: the dataset's "
+                     "state_dict() and the RNGs)" if state_bytes > self._state_bytes else "")
             self._warn(
-                f"shmloader: a batch did not fit its "
+                f"shmloader: a batch{state} did not fit its "
                 f"{self._ring.slot_bytes - self._state_bytes}-byte slot and was "
                 "delivered whole by torch's (slower) transport; later ones that do not fit "
                 "will be too. Pass slot_bytes= to size slots for your largest batch."

@@ -502,6 +502,8 @@ class _Work:
         reason = {NO_SLOT: "ring_full", MEASURE: "no_ring"}.get(slot, "spill")
         try:
             needed = slot_bytes_needed(data) if slot == MEASURE else 0
+            if needed and state is not None:  # a state beyond the room kept for it
+                needed += max(0, len(state) - STATE_BYTES)
             # Pickled here, not by the pipe, so that a batch that cannot be
             # pickled becomes this task's error instead of killing the worker;
             # tensors stacked into the slot are copied out, since the slot is

@@ -91,6 +91,38 @@ def test_a_warning_made_an_error_loses_no_batch(case):
     assert all(torch.equal(a, b) for a, b in zip(batches, want))
 
 
+class _StreamWithBigState(torch.utils.data.IterableDataset):
+    """Batches of 32 KiB whose worker state holds 200 KB (a shuffle buffer, say)."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        return (torch.full((64, 64), float(i)) for i in range(info.id, 96, info.num_workers))
+
+    def state_dict(self):
+        return {"buffer": bytes(200_000)}
+
+
+def test_ring_sized_for_a_big_dataset_state():
+    """Each batch carries its worker's state: a ring sized from the first batches makes
+    room for a state larger than the room kept for it, so no batch spills."""
+    loader = DataLoader(_StreamWithBigState(), batch_size=8, num_workers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = sorted(int(value) for batch in loader for value in batch[:, 0, 0])
+    assert got == list(range(96))
+    stats = loader.stats()
+    assert stats.spilled_batches == 0 and stats.slot_batches > 0
+
+
+def test_spill_warning_names_a_big_dataset_state():
+    """slot_bytes that holds the batch but not its worker's state: the spill warning says
+    the state is what does not fit, not the batch alone."""
+    loader = DataLoader(_StreamWithBigState(), batch_size=8, num_workers=2, slot_bytes=1 << 16)
+    with pytest.warns(UserWarning, match=r"a batch \(with the worker's state, \d+ bytes: the "
+                                         r"dataset's state_dict\(\) and the RNGs\) did not fit"):
+        assert len(list(loader)) == 12
+
+
 def test_every_third_batch_kept_in_dict_stays_intact():
     loader = DataLoader(Images(600), batch_size=4, num_workers=2, slot_bytes=SLOT,
                         persistent_workers=True)
