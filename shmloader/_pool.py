@@ -18,6 +18,8 @@ import time
 from multiprocessing.reduction import sendfds
 from pickle import PicklingError
 
+from torch.utils.data._utils import signal_handling
+
 from ._warn import warn
 from ._worker import NO_RING_FDS_EXIT, WorkerConfig, worker_loop
 
@@ -74,6 +76,10 @@ class WorkerPool:
         except BaseException:
             self.shutdown()
             raise
+        # As torch's iterator does: a SIGCHLD handler of torch's (it reports
+        # no death here, since no pids are registered with it) replaces an
+        # ignored SIGCHLD, under which exited workers could not be reaped.
+        signal_handling._set_SIGCHLD_handler()
         self._conn_of_fd = {c.fileno(): i for i, c in enumerate(self._results)}
         self._sentinels = {p.sentinel: i for i, p in enumerate(self.processes)}
         self._update_wait_fds()
@@ -218,7 +224,8 @@ class WorkerPool:
             if p.is_alive():
                 p.kill()
                 p.join()
-            p.close()  # its sentinel fds
+            if not p.is_alive():  # else unreapable: SIGCHLD ignored, from another thread
+                p.close()  # its sentinel fds
         for conn in self._tasks + self._results:
             conn.close()
         self._exiting = set(range(len(self.processes)))

@@ -460,6 +460,26 @@ def test_main_process_killed_workers_exit(context, signum):
         assert [d for d in worker_dirs if os.path.exists(d)] == []
 
 
+SIGCHLD_IGNORED_SCRIPT = textwrap.dedent("""
+    import signal
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # as servers do, to have children reaped
+    from shmloader import DataLoader
+    from tests.datasets_lifecycle import Images
+    loader = DataLoader(Images(32), batch_size=4, num_workers=2)
+    print([sum(1 for _ in loader) for _ in range(3)], flush=True)
+""")
+
+
+def test_ignored_sigchld_leaves_every_epoch_whole_like_torch():
+    """A process that ignores SIGCHLD: torch's iterator puts its own SIGCHLD handler in
+    place, so exited workers can be waited for; every epoch ends cleanly."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", SIGCHLD_IGNORED_SCRIPT], cwd=root,
+                          capture_output=True, text=True, timeout=HANG)
+    assert (done.returncode, done.stdout.strip()) == (0, "[8, 8, 8]"), done.stderr
+    assert "Traceback" not in done.stderr
+
+
 WATCHED_SCRIPT = textwrap.dedent("""
     import os, resource
     from shmloader import DataLoader
