@@ -8,6 +8,7 @@ death wakes the main process at once.
 """
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import resource
@@ -20,8 +21,9 @@ from pickle import PicklingError
 
 from torch.utils.data._utils import signal_handling
 
+from ._rings import address_space_limit
 from ._warn import warn
-from ._worker import NO_RING_FDS_EXIT, WorkerConfig, worker_loop
+from ._worker import NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT, WorkerConfig, worker_loop
 
 # Like torch's MP_STATUS_CHECK_INTERVAL: how long shutdown waits for workers
 # to exit on their own before terminating them.
@@ -41,6 +43,23 @@ _TORCH_PICKLE_WARNING = (
 )
 
 
+_TORCH_TOO_MANY_FILES = (
+    "Too many open files. Communication with the workers is no longer possible. Please "
+    "increase the limit using `ulimit -n` in the shell or change the sharing strategy by "
+    "calling `torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning "
+    "of your code"
+)
+
+
+def _out_of_fds(error: Exception) -> bool:
+    """Whether receiving a message failed for want of file descriptors: a batch
+    of torch's transport brings its storages' fds (multiprocessing's recvfds
+    says "received 0 items of ancdata" when the kernel dropped them)."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.EMFILE, errno.ENFILE)
+    return isinstance(error, RuntimeError) and "items of ancdata" in str(error)
+
+
 class WorkerDied(RuntimeError):
     """A worker process exited while the main process was waiting for it."""
 
@@ -52,6 +71,10 @@ def _exit_description(process) -> str:
         return (f"could not receive the ring's file descriptors: it had as many open files as "
                 f"its limit allows (RLIMIT_NOFILE, `ulimit -n`: {soft} here). Raise that "
                 "limit, or keep fewer batches of loaders that are gone (each keeps one open)")
+    if code == NO_RING_MAPPING_EXIT:
+        return (f"could not map the ring: no address space was left for it "
+                f"({address_space_limit()}). Raise that limit, or lower num_slots, "
+                "slot_bytes or the batch size")
     if code is not None and code < 0:
         try:
             name = signal.Signals(-code).name
@@ -176,7 +199,11 @@ class WorkerPool:
             if worker_id is not None:
                 try:
                     messages.append((worker_id, self._results[worker_id].recv()))
-                except (EOFError, OSError):
+                except (EOFError, OSError, RuntimeError) as e:
+                    if _out_of_fds(e):  # a batch of torch's transport: torch's words
+                        raise RuntimeError(_TORCH_TOO_MANY_FILES) from None
+                    if isinstance(e, RuntimeError):
+                        raise
                     self.processes[worker_id].join(1.0)
                     self.raise_if_dead()
                     raise

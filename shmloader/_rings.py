@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import secrets
 import threading
 from dataclasses import dataclass
@@ -38,6 +39,13 @@ def _ring_bytes_message(nslots, slot_bytes, cause) -> str:
         f"shmloader needs {total} bytes of shared memory for its ring "
         f"({nslots} slots x {slot_bytes} bytes) but {free} ({cause}). {_SHM_ADVICE}"
     )
+
+
+def address_space_limit() -> str:
+    """This process's address-space limit, in words."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+    return f"RLIMIT_AS, `ulimit -v`: {limit} here"
 
 
 def shm_full_message(cause: str) -> str:
@@ -88,6 +96,13 @@ def _create(nslots: int, slot_bytes: int) -> Ring:
                 continue  # someone holds that name: never attach to it, pick another
         raise FileExistsError(errno.EEXIST, f"no free shared-memory name after 8 tries ({name})")
     except OSError as e:
+        if e.errno == errno.ENOMEM and resource.getrlimit(resource.RLIMIT_AS)[0] != \
+                resource.RLIM_INFINITY:
+            raise SharedMemoryError(
+                f"shmloader could not map its ring of {nslots * slot_bytes} bytes ({nslots} "
+                f"slots x {slot_bytes} bytes): no address space was left for it "
+                f"({address_space_limit()}). Raise that limit, or lower num_slots, slot_bytes "
+                "or the batch size.") from e
         if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EOVERFLOW):
             raise SharedMemoryError(_ring_bytes_message(nslots, slot_bytes, e.strerror)) from e
         raise

@@ -199,7 +199,14 @@ class _Slots:
     """This worker's view of the ring: one torch storage per slot, made once."""
 
     def __init__(self, fds):
-        self.ring = Ring.attach(*fds)  # keeps its own copies of the fds
+        try:
+            self.ring = Ring.attach(*fds)  # keeps its own copies of the fds
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                raise _NoRingFds(str(e)) from e
+            if e.errno == errno.ENOMEM:
+                raise _NoRingMapping(str(e)) from e
+            raise
         for fd in fds:
             os.close(fd)
         self._storages = {}
@@ -263,13 +270,20 @@ class _Samples:
         return self._collate_fn([self.get(i, epoch, position + k) for k, i in enumerate(index)])
 
 
-# A worker's exit status when the ring's fds did not reach it (no room for more
-# open files): the main process names the cause (see _pool._exit_description).
+# A worker's exit status when the ring's fds did not reach it or could not be
+# mapped (no room for more open files), or when its address space had no room
+# for the ring: the main process names the cause (see _pool._exit_description).
 NO_RING_FDS_EXIT = 75
+NO_RING_MAPPING_EXIT = 76
 
 
 class _NoRingFds(Exception):
-    """The ring's fds did not all arrive with their message."""
+    """The ring's fds did not all arrive with their message, or could not be
+    duplicated to map it."""
+
+
+class _NoRingMapping(Exception):
+    """The ring could not be mapped: no address space left for it."""
 
 
 def worker_loop(cfg: WorkerConfig) -> None:
@@ -283,6 +297,9 @@ def worker_loop(cfg: WorkerConfig) -> None:
         os.write(2, f"shmloader worker {cfg.worker_id}: the ring's file descriptors did not "
                     f"arrive ({e}): too many open files.\n".encode())
         exit_now(NO_RING_FDS_EXIT)
+    except _NoRingMapping as e:
+        os.write(2, f"shmloader worker {cfg.worker_id}: could not map the ring ({e}).\n".encode())
+        exit_now(NO_RING_MAPPING_EXIT)
 
 
 def _watch_manager(manager_pid: int) -> None:

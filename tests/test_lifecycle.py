@@ -480,6 +480,59 @@ def test_ignored_sigchld_leaves_every_epoch_whole_like_torch():
     assert "Traceback" not in done.stderr
 
 
+LIMITED_SCRIPT = textwrap.dedent("""
+    import resource, sys, torch
+    from shmloader import DataLoader
+    class Dicts(torch.utils.data.Dataset):  # four storages a batch, by torch's transport
+        def __len__(self):
+            return 96
+        def __getitem__(self, i):
+            x = torch.full((3, 16, 16), float(i))
+            return {"a": x, "b": x[0].clone(), "c": torch.arange(5000.0), "y": i}
+    if sys.argv[1] == "files":  # few files, and a loop that keeps 20 batches
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        kw, keep = {}, 20
+    else:  # an address space too small for a ring of 8 slots of 100 MiB
+        size = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
+                    if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (size + (300 << 20), resource.RLIM_INFINITY))
+        kw, keep = dict(slot_bytes=100 << 20, num_slots=8), 0
+    kept = []
+    try:
+        for batch in DataLoader(Dicts(), batch_size=4, num_workers=3, **kw):
+            kept = (kept + [batch])[:keep]
+    except Exception as e:
+        print(type(e).__name__, e, flush=True)
+""")
+
+
+@pytest.mark.parametrize("limit", ["files", "address_space"])
+def test_resource_limits_give_errors_that_name_them(limit):
+    """Too few open files (batches of torch's transport bring fds) or too little address
+    space (for the ring): the error names the limit to raise, as torch's does for files,
+    never an internal message ("received 0 items of ancdata")."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", LIMITED_SCRIPT, limit], cwd=root,
+                          capture_output=True, text=True, timeout=HANG)
+    out = done.stdout
+    if limit == "files":
+        assert "Too many open files" in out or "RLIMIT_NOFILE" in out, (out, done.stderr)
+        assert "ancdata" not in out
+    else:
+        assert out.startswith("SharedMemoryError") and "RLIMIT_AS" in out, (out, done.stderr)
+
+
+def test_a_worker_that_cannot_map_the_ring_names_the_address_space_limit():
+    from shmloader._pool import _exit_description
+    from shmloader._worker import NO_RING_MAPPING_EXIT
+
+    class Exited:
+        exitcode = NO_RING_MAPPING_EXIT
+
+    assert "could not map the ring" in _exit_description(Exited())
+    assert "RLIMIT_AS, `ulimit -v`" in _exit_description(Exited())
+
+
 WATCHED_SCRIPT = textwrap.dedent("""
     import os, resource
     from shmloader import DataLoader
