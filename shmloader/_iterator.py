@@ -44,7 +44,7 @@ from ._ring import MAX_SLOTS
 from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
 from ._rings import create_ring, reserve_in_background, retire
 from ._sampler_state import PrefetchedEpoch
-from ._warn import warn_between_batches
+from ._warn import WarnsBetweenBatches
 from ._worker import MEASURE, NO_SLOT
 
 # Slots beyond the prefetch_factor * num_workers batches in flight: the batch
@@ -58,7 +58,7 @@ SPARE_SLOTS = 4
 RESERVE_REST_AFTER = 2
 
 
-class ShmLoaderIter(_BaseDataLoaderIter):
+class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
     def __init__(self, loader) -> None:
         resume = loader._resume
         rng_before = torch.get_rng_state() if resume is not None and loader.generator is None \
@@ -74,8 +74,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         # Per worker, the numbers of its tasks to fetch again and drop (see _resume_epoch).
         self._replay = None
         self._died = None  # the message of the WorkerDied that ended this iterator
-        # A warning that filters made an error, raised before the next batch (see _warn).
-        self._warning_error = None
+        self._deferred_warnings = []  # (error, flag): see WarnsBetweenBatches
         self._skip = set()  # epoch indices not to fetch again (in_order=False resume)
         self._pending_first_draw = None
         if resume is not None:
@@ -184,7 +183,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 if failure is not None and not self._counters.warned_register:
                     self._counters.warned_register = True
                     self._warn(f"shmloader: could not pin the ring's memory with CUDA ({failure}); "
-                               "batches are pinned by torch's copy instead.")
+                               "batches are pinned by torch's copy instead.", "warned_register")
         self._pool.send_ring(self._ring)
         if self._fetch == "sample":
             self._pool.broadcast(("layout", self._handover.sample_layout))
@@ -232,13 +231,14 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 "referenced by your code, plus those in flight); further batches travel by "
                 "torch's transport until slots are released. Ring memory stays capped at "
                 f"{self._ring.total_bytes} bytes; pass num_slots= to keep more batches in "
-                "the ring."
+                "the ring.", "warned_ring_full"
             )
         return NO_SLOT
 
     # ---- epochs -----------------------------------------------------------
 
     def _reset(self, loader, first_iter=False) -> None:
+        self._forget_deferred_warnings()  # met in an epoch left unfinished
         self._epoch_started = time.perf_counter()
         rewind = None  # an epoch whose prefetched batches are dropped
         if self._prefetched is not None:
@@ -578,9 +578,13 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             _discard(payload)
 
     def _next_data(self):
-        if self._warning_error is not None:
-            error, self._warning_error = self._warning_error, None
-            raise error
+        if self._deferred_warnings:
+            self._raise_deferred_warning()
+        if self._owner_pid != os.getpid():
+            raise RuntimeError(
+                "this DataLoader iterator was made by the process this one was forked from, "
+                "whose workers and ring it uses; iterate the loader again here (iter(loader)) "
+                "for workers of this process's own.")
         if self._died is not None:
             raise WorkerDied(f"this DataLoader iterator ended when a worker died: {self._died} "
                              "iter(loader) starts a new one with fresh workers.")
@@ -615,6 +619,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                     del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
             else:
+                if self._deferred_warnings:  # instead of StopIteration (raised next time)
+                    self._raise_deferred_warning()
                 self._progress.epoch_ended()
                 if not self._persistent_workers:
                     self._shutdown_workers()
@@ -707,13 +713,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 f"shmloader: a batch{state} did not fit its "
                 f"{self._ring.slot_bytes - self._state_bytes}-byte slot and was "
                 "delivered whole by torch's (slower) transport; later ones that do not fit "
-                "will be too. Pass slot_bytes= to size slots for your largest batch."
+                "will be too. Pass slot_bytes= to size slots for your largest batch.",
+                "warned_spill"
             )
-
-    def _warn(self, message: str) -> None:
-        error = warn_between_batches(message)
-        if error is not None and self._warning_error is None:
-            self._warning_error = error
 
     # ---- shutdown -----------------------------------------------------------
 
@@ -723,6 +725,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         if self._shutdown:
             return
         self._shutdown = True
+        self._forget_deferred_warnings()
         if os.getpid() != self._owner_pid:
             return  # a forked child collecting a copy: the workers are not its own
         pool = getattr(self, "_pool", None)

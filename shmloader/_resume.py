@@ -229,7 +229,6 @@ class Progress:
             return
         self.yielded = _mark(self.yielded, self.yielded_beyond, idx)
 
-
     def worker_ran_out(self, worker_id: int, worker_state) -> None:
         if worker_state is not None:
             self.ran_out_states[worker_id] = worker_state

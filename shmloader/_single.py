@@ -9,11 +9,12 @@ from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIt
 
 from ._cuda import DeviceStage
 from ._resume import own_state, replay_message, sampler_state
-from ._warn import warn
+from ._warn import WarnsBetweenBatches
 
 
-class SingleProcessIter(_SingleProcessDataLoaderIter):
+class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
     def __init__(self, loader) -> None:
+        self._deferred_warnings = []  # (error, flag): see WarnsBetweenBatches
         resume = loader._take_resume()
         if resume is not None and resume.finished:
             resume = None  # already applied: the new epoch starts as any other
@@ -48,7 +49,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                     self._replay = resume.replayed
                     self._next_idx = 0
                     if self._replay:
-                        warn(replay_message(self._replay))
+                        self._warn(replay_message(self._replay))
             else:
                 self._pending_first_draw = resume
                 for _ in range(resume.skip):
@@ -65,6 +66,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         return super()._next_index()
 
     def _next_data(self):
+        if self._deferred_warnings:
+            self._raise_deferred_warning()
         while self._replay:
             self._replay -= 1
             self._next_idx += 1

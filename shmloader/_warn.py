@@ -17,12 +17,24 @@ def warn(message: str) -> None:
     warnings.warn(message, stacklevel=level)
 
 
-def warn_between_batches(message: str) -> Warning | None:
-    """warn(message), except that where warning filters turn it into an error
-    (pytest -W error), the error is returned instead of raised: the iterator
-    raises it before its next batch, so no batch or task in flight is lost."""
-    try:
-        warn(message)
-    except Warning as error:
-        return error
-    return None
+class WarnsBetweenBatches:
+    """For iterators: a warning that filters turn into an error (pytest -W
+    error) is raised by the next next() before it takes anything, or in place
+    of the epoch's StopIteration, so no batch or task in flight is lost.  One
+    whose error is never raised (the iterator is reset or dropped first)
+    clears its once-only flag on the loader's counters, so it comes again."""
+
+    def _warn(self, message: str, flag: str | None = None) -> None:
+        try:
+            warn(message)
+        except Warning as error:
+            self._deferred_warnings.append((error, flag))
+
+    def _raise_deferred_warning(self) -> None:
+        raise self._deferred_warnings.pop(0)[0]
+
+    def _forget_deferred_warnings(self) -> None:
+        for _, flag in self._deferred_warnings:
+            if flag is not None:
+                setattr(self._counters, flag, False)
+        self._deferred_warnings = []

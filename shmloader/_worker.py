@@ -496,9 +496,10 @@ class _Work:
         except Exception as e:
             self.give_back(slot)
             if isinstance(e, StopIteration) and cfg.dataset_kind == _DatasetKind.Iterable:
-                # With the worker's state: the draws of a partial batch that
-                # drop_last discarded are part of where the next epoch starts.
-                return ("stop", task_id, self._snapshot()), True
+                # With the worker's RNG states: the draws of a partial batch
+                # that drop_last discarded are part of where the next epoch
+                # starts (the dataset's own state is not: it starts afresh).
+                return ("stop", task_id, worker_snapshot(None) if self.snapshots else None), True
             # With the worker's state: the draws made before the error are
             # part of where a resume starts (an error is a yielded item).
             return ("error", task_id, ExceptionWrapper(where=self.where),

@@ -316,6 +316,9 @@ class DataLoader(torch.utils.data.DataLoader):
         # over with fresh workers instead of being reset.
         if self._iterator is not None and (self._iterator._shutdown or
                                            self._iterator._owner_pid != os.getpid()):
+            prefetched = self._iterator._prefetched
+            if prefetched is not None:  # its next epoch, numbered already, is drawn anew
+                self._epochs_started = prefetched.epoch
             self._iterator = None
         return super().__iter__()
 

@@ -184,6 +184,37 @@ def test_forked_child_iterating_its_loader_uses_workers_of_its_own(persistent):
     assert parent == _expected_batches(64)
 
 
+def test_forked_child_cannot_take_the_parents_batches_through_its_iterator():
+    """A child that calls next() on an iterator it inherited mid-epoch gets a clear error
+    instead of the parent's batches; the parent's epoch is whole."""
+    loader = DataLoader(Images(32), batch_size=4, num_workers=2, timeout=HANG)
+    it = iter(loader)
+    first = [next(it).tolist()]
+    child = _in_forked_child(lambda: next(it))
+    outcome, error = child()
+    assert outcome == "error" and "made by the process this one was forked from" in error
+    assert first + [batch.tolist() for batch in it] == _expected_batches(32)
+
+
+def test_forked_child_numbers_its_epochs_as_the_parent_does():
+    """A persistent loader that prefetched its next epoch, forked between epochs: the
+    child's own iterator numbers that epoch as the parent's does (seed_per_sample's
+    epoch, the state's epoch)."""
+    loader = DataLoader(Images(16), batch_size=4, num_workers=2, persistent_workers=True,
+                        prefetch_next_epoch=True, seed_per_sample=True)
+    for _ in loader:
+        pass
+
+    def epoch_then_state():
+        for _ in loader:
+            pass
+        return loader._progress.epoch, loader.state_dict()["epoch"]
+
+    child = _in_forked_child(epoch_then_state)
+    assert child() == ("ok", (1, 2))
+    assert epoch_then_state() == (1, 2)
+
+
 class _Zeros(torch.utils.data.Dataset):
     def __len__(self):
         return 16

@@ -552,6 +552,39 @@ def test_a_broken_sampler_state_dict_leaves_iteration_alone(num_workers):
         loader.state_dict()
 
 
+class _StateOfItsIterator(torch.utils.data.IterableDataset):
+    """state_dict() asks the current iterator, which is gone once the stream ran out."""
+
+    def __init__(self):
+        self._cursor = None
+
+    def __iter__(self):
+        self._cursor = {"position": 0}
+        for i in range(5):
+            self._cursor["position"] = i + 1
+            yield float(i)
+        self._cursor = None
+
+    def state_dict(self):
+        return dict(self._cursor)
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["non_persistent", "persistent"])
+def test_state_at_the_end_of_an_epoch_needs_no_dataset_state(persistent):
+    """A finished epoch resumes with the next, whose stream starts afresh: a state taken
+    at the epoch's end holds no dataset state, so a dataset that cannot say where it is
+    once exhausted does not fail it."""
+    import shmloader
+
+    loader = shmloader.DataLoader(_StateOfItsIterator(), batch_size=2, drop_last=True,
+                                  num_workers=2, persistent_workers=persistent)
+    assert len(list(loader)) == 4
+    assert roundtrip(loader.state_dict())["epoch"] == 1
+
+
 class _DrawsThenFails(torch.utils.data.Dataset):
     """Each sample draws a random number; sample 1 raises after its draw."""
 

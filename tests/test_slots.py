@@ -91,6 +91,47 @@ def test_a_warning_made_an_error_loses_no_batch(case):
     assert all(torch.equal(a, b) for a, b in zip(batches, want))
 
 
+class _SpillsAtBatch6(torch.utils.data.Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return torch.full((8192 * (8 if i // 2 == 6 else 1),), float(i))
+
+
+def test_both_warnings_made_errors_are_raised_and_no_batch_is_lost():
+    """A loop keeping every batch fills the ring, and batch 6 outgrows its slot: both
+    warnings are raised (they may be met in one next()), and every batch arrives."""
+    got = _each_next_with_warnings_as_errors(
+        DataLoader(_SpillsAtBatch6(), batch_size=2, num_workers=2, prefetch_factor=1,
+                   num_slots=4), hold=40)
+    warned = sorted(item for item in got if isinstance(item, str))
+    assert len(warned) == 2, warned
+    assert "did not fit" in warned[0] and "all 4 ring slots are in use" in warned[1], warned
+    assert [int(b[0, 0]) for b in got if not isinstance(b, str)] == list(range(0, 40, 2))
+
+
+def test_a_warning_left_unraised_comes_again_next_epoch():
+    """A loop that stops at the batch whose next() met the ring-full warning (made an
+    error: the fifth, 5 kept and 4 in flight wanting 9 slots) never sees it raised; the
+    next epoch, filling the ring again, raises it where it comes, not at its start."""
+    loader = DataLoader(Images(64), batch_size=4, num_workers=2, num_slots=8,
+                        slot_bytes=SLOT, persistent_workers=True)
+    raised = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for epoch in range(2):
+            kept = []
+            it = iter(loader)
+            try:
+                while len(kept) < (16 if epoch else 5):
+                    kept.append(next(it))
+            except UserWarning as warning:
+                raised.append((epoch, len(kept), "all 8 ring slots are in use" in str(warning)))
+            del it, kept
+    assert raised == [(1, 5, True)], raised
+
+
 class _StreamWithBigState(torch.utils.data.IterableDataset):
     """Batches of 32 KiB whose worker state holds 200 KB (a shuffle buffer, say)."""
 
