@@ -6,6 +6,7 @@ import numbers
 import os
 import warnings
 import weakref
+from typing import TypeVar
 
 import numpy as np
 import torch.utils.data
@@ -114,7 +115,11 @@ def _check_map_style(loader):
             "num_workers >= 1.")
 
 
-class DataLoader(torch.utils.data.DataLoader):
+# Generic like torch's (DataLoader[Tensor] in annotations and subclasses).
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class DataLoader(torch.utils.data.DataLoader[_T_co]):
     """Drop-in replacement for torch.utils.data.DataLoader.
 
     Takes exactly torch's arguments, with torch's defaults and checks, and
@@ -314,8 +319,9 @@ class DataLoader(torch.utils.data.DataLoader):
         # A persistent iterator whose workers failed (a worker died), or that
         # a forked child inherited (its workers are the parent's), starts
         # over with fresh workers instead of being reset.
-        if self._iterator is not None and (self._iterator._shutdown or
-                                           self._iterator._owner_pid != os.getpid()):
+        # (A subclass's _get_iterator may return another kind of iterator.)
+        if isinstance(self._iterator, ShmLoaderIter) and (
+                self._iterator._shutdown or self._iterator._owner_pid != os.getpid()):
             prefetched = self._iterator._prefetched
             if prefetched is not None:  # its next epoch, numbered already, is drawn anew
                 self._epochs_started = prefetched.epoch

@@ -825,6 +825,30 @@ def test_dataset_sharing_the_samplers_generator(where):
     D.assert_same(expected, [list(shm_loader) for _ in range(2)], "epochs")
 
 
+def test_generic_like_torch():
+    """torch's DataLoader is Generic: DataLoader[T] in annotations and as a base class."""
+    assert ShmDataLoader[torch.Tensor].__origin__ is ShmDataLoader
+
+    class Typed(ShmDataLoader[int]):
+        pass
+
+    assert [b.tolist() for b in Typed(list(range(4)), batch_size=2)] == [[0, 1], [2, 3]]
+
+
+class _TorchIterLoader(ShmDataLoader):
+    """A subclass whose _get_iterator returns torch's own multiprocessing iterator (one
+    that profiles its batches, say)."""
+
+    def _get_iterator(self):
+        return tud.dataloader._MultiProcessingDataLoaderIter(self)
+
+
+def test_subclass_returning_torchs_iterator_runs_epochs_like_torch():
+    loader = _TorchIterLoader(list(range(6)), batch_size=2, num_workers=2,
+                              persistent_workers=True)
+    assert [[b.tolist() for b in loader] for _ in range(2)] == [[[0, 1], [2, 3], [4, 5]]] * 2
+
+
 @pytest.mark.parametrize("name", list(ATTR_CASES))
 def test_public_attributes_match(name):
     make_dataset, kw = ATTR_CASES[name]
