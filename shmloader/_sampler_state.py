@@ -71,15 +71,14 @@ class PrefetchedEpoch:
         self.epoch = epoch
         self._loader = loader
         self._generators = _generators(loader)
-        self._user_states = [g.get_state() for g in self._generators]
-        self._private_states = list(self._user_states)
-        # (sampler, its epoch now, the epoch to draw with) for samplers with
-        # set_epoch: e + 1 from the sampler's own count where it keeps one.
+        self._private_states = [g.get_state() for g in self._generators]
+        # (sampler, the epoch to draw with) for samplers with set_epoch: e + 1
+        # from the sampler's own count where it keeps one.
         self._epochs = []
         for sampler in _samplers(loader):
             if callable(getattr(sampler, "set_epoch", None)):
                 now = getattr(sampler, "epoch", None)
-                self._epochs.append((sampler, now, now + 1 if type(now) is int else epoch))
+                self._epochs.append((sampler, now + 1 if type(now) is int else epoch))
         self._expected = None
         self.failed = False  # a draw raised: the epoch is left to the next iter()
 
@@ -90,10 +89,14 @@ class PrefetchedEpoch:
         iter() draws the epoch afresh and meets the error where torch does."""
         if self.failed:
             raise StopIteration
+        # The user's generators and samplers as they are now (the loop may
+        # have drawn from them, or set an epoch, since the last draw).
+        user_states = [g.get_state() for g in self._generators]
+        user_epochs = [getattr(sampler, "epoch", None) for sampler, _ in self._epochs]
         try:
             for g, state in zip(self._generators, self._private_states):
                 g.set_state(state)
-            for sampler, _, then in self._epochs:
+            for sampler, then in self._epochs:
                 sampler.set_epoch(then)
             return fn()
         except StopIteration:
@@ -103,11 +106,11 @@ class PrefetchedEpoch:
             raise StopIteration from None
         finally:
             self._private_states = [g.get_state() for g in self._generators]
-            for g, state in zip(self._generators, self._user_states):
+            for g, state in zip(self._generators, user_states):
                 g.set_state(state)
             # What the user's objects must look like at the next iter().
             self._expected = _capture(self._loader)
-            for sampler, now, _ in self._epochs:
+            for (sampler, _), now in zip(self._epochs, user_epochs):
                 if now is not None:
                     sampler.set_epoch(now)
 

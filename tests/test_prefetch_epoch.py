@@ -207,6 +207,32 @@ def test_reseeded_to_same_state_is_adopted():
     assert stats.prefetched_epochs == 2
 
 
+def _draws_in_the_loop(cls, **kw):
+    """Two epochs whose loop draws from the loader's generator after every batch."""
+    seed_all(SEED)
+    g = torch.Generator().manual_seed(3)
+    loader = cls(D.IndexMap(N), batch_size=BS, shuffle=True, generator=g, num_workers=2,
+                 persistent_workers=True, **kw)
+    draws, batches = [], []
+    with warnings.catch_warnings(), deadline(90):
+        warnings.simplefilter("ignore")  # kept batches fill the ring
+        for _ in range(2):
+            for batch in loader:
+                batches.append(batch)
+                draws.append(torch.rand(1, generator=g).item())
+    return draws, batches
+
+
+def test_draws_from_the_generator_in_the_loop_stay_the_users():
+    """The prefetch switches the generator to a private state around each of its draws and
+    back: back to where the loop's own draws left it, not to where the prefetch began, so
+    no draw of the user's is repeated and the next epoch is torch's."""
+    torch_draws, torch_batches = _draws_in_the_loop(TorchDataLoader)
+    draws, batches = _draws_in_the_loop(prefetching())
+    assert draws == torch_draws
+    D.assert_same(torch_batches, batches, "batches")
+
+
 @pytest.mark.parametrize(
     "values", [[1, 8, 15], [0, 1, 1], [0, 5, 6]], ids=["all-unexpected", "repeat", "jump-then-next"])
 def test_set_epoch_with_unexpected_value(values):
