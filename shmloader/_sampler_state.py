@@ -12,7 +12,8 @@ the prefetch.
 At the next iter() the prefetched epoch is adopted only if the samplers and
 generators are what that epoch assumed: generators untouched since, samplers
 set to epoch e + 1 (by the user, as DDP code does before each epoch), every
-other attribute unchanged.  Then the generators take their private states,
+other attribute unchanged (lists, tensors and arrays by content, since they
+may be changed in place; a sampler that is a plain list likewise).  Then the generators take their private states,
 as if the draws had happened now.  Otherwise the prefetched batches are
 dropped and the epoch is drawn afresh, from whatever the user set.  Anything
 else a sampler draws from (torch's global RNG, when there is no generator)
@@ -20,6 +21,7 @@ is not private: see the README.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -53,14 +55,26 @@ def _value(value):
         return value
     if isinstance(value, torch.Generator):
         return bytes(value.get_state().numpy())
+    # Indices and weights a user may change in place (a list sampler
+    # reshuffled before each epoch, SubsetRandomSampler's indices): by content.
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(value))
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        return ("tensor", value.dtype, tuple(value.shape), bytes(data.numpy()))
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
     return ("object", id(value))
 
 
 def _capture(loader):
     snapshot = [_value(loader.generator)]
     for sampler in _samplers(loader):
-        attrs = getattr(sampler, "__dict__", {})
-        snapshot.append((type(sampler), sorted((k, _value(v)) for k, v in attrs.items())))
+        if hasattr(sampler, "__dict__"):
+            attrs = sorted((k, _value(v)) for k, v in vars(sampler).items())
+            snapshot.append((type(sampler), attrs))
+        else:  # a plain iterable of indices (torch takes any as sampler)
+            snapshot.append(_value(sampler))
     return snapshot
 
 

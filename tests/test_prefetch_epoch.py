@@ -207,6 +207,32 @@ def test_reseeded_to_same_state_is_adopted():
     assert stats.prefetched_epochs == 2
 
 
+def test_list_sampler_reshuffled_in_place_discards_prefetch():
+    """sampler= a plain list of indices (torch takes any iterable) that the user reshuffles
+    in place before every epoch: the prefetch drew from the old order, so it is dropped."""
+    orders = {}
+
+    def reshuffle(e, g, s):
+        random.Random(e).shuffle(s)
+        orders[e] = list(s)
+
+    stats = check(sampler=lambda: list(range(N)), on_epoch=reshuffle)
+    assert len(orders) == 3 and stats.prefetched_epochs == 0
+
+
+def test_weights_changed_in_place_discard_prefetch():
+    """WeightedRandomSampler's weights (a tensor) edited in place between epochs."""
+    def reweight(e, g, s):
+        s.weights[e] *= 50
+
+    def weighted():
+        generator = torch.Generator().manual_seed(1)
+        return tud.WeightedRandomSampler(torch.ones(N, dtype=torch.float64), N, generator=generator)
+
+    stats = check(sampler=weighted, on_epoch=reweight)
+    assert stats.prefetched_epochs == 0
+
+
 def _draws_in_the_loop(cls, **kw):
     """Two epochs whose loop draws from the loader's generator after every batch."""
     seed_all(SEED)
