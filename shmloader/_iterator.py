@@ -595,10 +595,11 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         except WorkerDied as e:
             self._end_on_death(e)
             raise
+        finally:  # up to this batch, or to the error raised in its place (its wait counted)
+            now = time.perf_counter()
+            self._counters.wall_seconds += now - self._epoch_started
+            self._epoch_started = now
         counters = self._counters
-        now = time.perf_counter()
-        counters.wall_seconds += now - self._epoch_started
-        self._epoch_started = now
         if self._ring is not None:
             in_use = self._ring.nslots - self._ring.count_free()
             counters.occupancy_sum += in_use

@@ -2,6 +2,7 @@
 times are only checked to be consistent (non-negative, wait <= wall, fraction in [0, 1])."""
 import functools
 import gc
+import time
 import warnings
 
 import pytest
@@ -214,6 +215,32 @@ def test_broken_off_epoch_counts_only_yielded_batches():
     stats = loader.stats()
     consistent(stats)
     assert (stats.batches, stats.samples) == (3, 12)
+
+
+class _SlowFailing(tud.Dataset):
+    """Samples 2 and 3 take 0.3 s each and fail: the second batch is a long wait ending in
+    an error."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if i >= 2:
+            time.sleep(0.3)
+            raise ValueError("bad sample")
+        return torch.tensor([i])
+
+
+def test_wait_for_a_failed_batch_counts_in_wall_time():
+    """The wait for a batch that raises is part of the loop's wall time as well as of the
+    wait: the fraction stays a fraction."""
+    loader = DataLoader(_SlowFailing(), batch_size=2, num_workers=2)
+    with pytest.raises(ValueError, match="bad sample"):
+        for _ in loader:
+            pass
+    stats = loader.stats()
+    assert stats.wait_seconds > 0.2
+    assert stats.wait_seconds <= stats.wall_seconds and stats.wait_fraction <= 1
 
 
 def test_num_workers_0_counts_nothing():
