@@ -278,6 +278,15 @@ def test_break_before_sampler_runs_out_then_full_epochs():
     assert stats.prefetched_epochs == 2
 
 
+def test_breaks_after_the_sampler_ran_out_leave_every_epoch_its_window():
+    """Epochs broken off after their sampler ran out, again and again: the broken epoch's
+    tasks still in flight must not take the next epoch's prefetch window, or that epoch's
+    sampler runs out later than torch's, and the generator's draws (RandomSampler's last,
+    empty randperm) fall behind torch's."""
+    stats = check(epochs=4, shuffle=True, generator_seed=3, stop_after={0: 7, 1: 7, 2: 7})
+    assert stats.prefetched_epochs == 3
+
+
 def test_break_with_distributed_sampler():
     stats = check(epochs=3, make_dataset=P(D.IndexMap, 2 * N), sampler=P(distributed, 2 * N),
                   stop_after={1: 3},
