@@ -43,7 +43,7 @@ from ._pool import WorkerDied, WorkerPool
 from ._ring import MAX_SLOTS
 from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
 from ._rings import create_ring, reserve_in_background, retire
-from ._sampler_state import PrefetchedEpoch
+from ._sampler_state import PrefetchedEpoch, can_prefetch
 from ._warn import WarnsBetweenBatches
 from ._worker import MEASURE, NO_SLOT
 
@@ -327,8 +327,8 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         if not self._prefetch_next_epoch or self._next_epoch_at is not None:
             return False
         loader = self._loader_ref()
-        if loader is None:  # nobody can start another epoch
-            return False
+        if loader is None or not can_prefetch(loader):  # nobody can start another epoch, or
+            return False  # a sampler's set_epoch could not be undone after the draws
         self._next_epoch_at = self._send_idx
         self._epoch = loader._next_epoch()
         self._next_epoch_start = Progress()

@@ -36,8 +36,11 @@ from array import array
 import numpy as np
 import torch
 
-# 2: the config names the sampler and batch sampler; 3: batches yielded per worker
-STATE_VERSION = 3
+from ._sampler_state import sampler_generators
+
+# 2: the config names the sampler and batch sampler; 3: batches yielded per worker;
+# 4: the states of the generators samplers hold
+STATE_VERSION = 4
 # Room kept at the end of every slot for the worker state its batch carries
 # (about 10 KB of RNG states, plus an IterableDataset's state), so that it
 # never makes a batch spill.
@@ -140,6 +143,8 @@ class Progress:
     yielded_by_worker: list = dataclasses.field(default_factory=list)
     base_seed: int | None = None
     generator_state: torch.Tensor | None = None  # loader.generator at epoch start
+    # ... and the generators the samplers hold (see sampler_generators)
+    sampler_generator_states: list = dataclasses.field(default_factory=list)
     torch_rng_state: torch.Tensor | None = None  # torch's global RNG at epoch start
     sampler_state: object = None  # the sampler's own state_dict() at epoch start
     # Whether the epoch's sampler drew already (at iter() with workers, which
@@ -165,6 +170,7 @@ class Progress:
         self.base_seed = base_seed
         self.generator_state = (loader.generator.get_state()
                                 if loader.generator is not None else None)
+        self.sampler_generator_states = [g.get_state() for g in sampler_generators(loader)]
         self.torch_rng_state = torch.get_rng_state()
         self.sampler_state = sampler_state
         self.next_start = None
@@ -190,6 +196,7 @@ class Progress:
         self.epoch_start_worker_states = list(self.worker_states)
         self.base_seed = other.base_seed
         self.generator_state = other.generator_state
+        self.sampler_generator_states = other.sampler_generator_states
         self.torch_rng_state = other.torch_rng_state
         self.sampler_state = other.sampler_state
         self.next_start = None
@@ -203,6 +210,7 @@ class Progress:
         if len(saved) == len(self.yielded_by_worker):
             self.yielded_by_worker = [(below, set(beyond)) for below, beyond in saved]
         self.generator_state = state["generator_state"]
+        self.sampler_generator_states = state["sampler_generator_states"]
         self.torch_rng_state = state["torch_rng_state"]
         self.sampler_state = state["sampler_state"]
         self.sampler_started = state["sampler_started"]
@@ -310,6 +318,8 @@ _FIELDS = {
                                   lambda v: isinstance(v, list) and all(_yielded_numbers(w) for w in v)),
     "base_seed": ("an int or None", lambda v: v is None or _is_int(v)),
     "generator_state": ("a tensor or None", lambda v: v is None or isinstance(v, torch.Tensor)),
+    "sampler_generator_states": ("a list of tensors", lambda v: isinstance(v, list) and all(
+        isinstance(t, torch.Tensor) for t in v)),
     "torch_rng_state": ("a tensor or None", lambda v: v is None or isinstance(v, torch.Tensor)),
     "sampler_started": ("a bool", lambda v: isinstance(v, bool)),
     "sampler_state": ("anything", lambda v: True),
@@ -324,11 +334,13 @@ def state_dict(loader, progress: Progress) -> dict:
     finished = progress.finished or not progress.started
     generator = loader.generator
     generator_now = generator.get_state() if generator is not None else None
+    sampler_generators_now = [g.get_state() for g in sampler_generators(loader)]
     sampler_now = sampler_state(loader)
     if finished and progress.next_start is not None:
         # The next epoch was prefetched: it starts from where the generator
         # and sampler stood before it was drawn.
         generator_now = progress.next_start.generator_state
+        sampler_generators_now = progress.next_start.sampler_generator_states
         sampler_now = progress.next_start.sampler_state
     state = {
         "version": STATE_VERSION,
@@ -343,6 +355,8 @@ def state_dict(loader, progress: Progress) -> dict:
         [[below, sorted(beyond)] for below, beyond in progress.yielded_by_worker],
         "base_seed": progress.base_seed if progress.started else None,
         "generator_state": generator_now if finished else progress.generator_state,
+        "sampler_generator_states": sampler_generators_now if finished else
+        progress.sampler_generator_states,
         "torch_rng_state": None if finished else progress.torch_rng_state,
         "sampler_started": progress.sampler_started and not finished,
         "sampler_state": sampler_now if finished else progress.sampler_state,
@@ -430,6 +444,13 @@ class Resume:
             loader.generator.set_state(saved)
 
     def restore_sampler(self, loader) -> None:
+        """The sampler as it stood: its generators' states, and its own
+        state_dict() where it has one."""
+        generators = sampler_generators(loader)
+        saved = self.state["sampler_generator_states"]
+        if len(saved) == len(generators):
+            for g, state in zip(generators, saved):
+                g.set_state(state)
         stateful = _stateful_sampler(loader)
         if stateful is not None and self.state["sampler_state"] is not None:
             stateful.load_state_dict(self.state["sampler_state"])

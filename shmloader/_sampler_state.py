@@ -50,6 +50,20 @@ def _generators(loader):
     return found
 
 
+def can_prefetch(loader) -> bool:
+    """Whether the next epoch can be drawn invisibly: a sampler with set_epoch
+    must keep its epoch in an int `epoch` attribute, to be set back after
+    each draw."""
+    return all(type(getattr(sampler, "epoch", None)) is int for sampler in _samplers(loader)
+               if callable(getattr(sampler, "set_epoch", None)))
+
+
+def sampler_generators(loader):
+    """The generators the loader's samplers hold (RandomSampler(generator=g),
+    say), besides the loader's own generator."""
+    return [g for g in _generators(loader) if g is not loader.generator]
+
+
 def _value(value):
     if isinstance(value, _PRIMITIVES):
         return value

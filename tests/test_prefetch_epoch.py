@@ -233,6 +233,30 @@ def test_weights_changed_in_place_discard_prefetch():
     assert stats.prefetched_epochs == 0
 
 
+class _EpochUnderAnotherName(tud.Sampler):
+    """A sampler with set_epoch() that keeps its epoch as `_epoch`, not `epoch`."""
+
+    def __init__(self, n):
+        self.n, self._epoch = n, 0
+
+    def set_epoch(self, epoch):
+        self._epoch = epoch
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self._epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+
+def test_sampler_whose_epoch_cannot_be_read_is_not_prefetched():
+    """set_epoch(e + 1) around the prefetch's draws could not be undone (no `epoch` to read
+    back), so the next epoch is not drawn early: the batches are torch's."""
+    stats = check(sampler=P(_EpochUnderAnotherName, N))
+    assert stats.prefetched_epochs == 0
+
+
 def _draws_in_the_loop(cls, **kw):
     """Two epochs whose loop draws from the loader's generator after every batch."""
     seed_all(SEED)

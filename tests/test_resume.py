@@ -585,6 +585,43 @@ def test_state_at_the_end_of_an_epoch_needs_no_dataset_state(persistent):
     assert roundtrip(loader.state_dict())["epoch"] == 1
 
 
+def _sampler_with_its_own_generator(num_workers, batch_sampler):
+    def make():
+        import shmloader
+
+        dataset = [float(i) for i in range(24)]
+        sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(7))
+        if batch_sampler:
+            batches = torch.utils.data.BatchSampler(sampler, batch_size=4, drop_last=False)
+            return shmloader.DataLoader(dataset, batch_sampler=batches, num_workers=num_workers)
+        return shmloader.DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=num_workers)
+    return make
+
+
+@pytest.mark.parametrize("batch_sampler", [False, True], ids=["sampler", "batch_sampler"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_with_a_samplers_own_generator(num_workers, batch_sampler):
+    """A RandomSampler with a generator of its own (not the loader's): a resume mid-epoch,
+    and one at the epoch's end, go on with the uninterrupted run's batches, with no sample
+    of the epoch repeated."""
+    make = _sampler_with_its_own_generator(num_workers, batch_sampler)
+    reference = make()
+    expected = [[b.tolist() for b in reference] for _ in range(2)]
+    for whole_epoch in (False, True):
+        first = make()
+        it = iter(first)
+        got = [b.tolist() for b in it] if whole_epoch else [next(it).tolist() for _ in range(2)]
+        state = roundtrip(first.state_dict())
+        del it, first
+        resumed = make()
+        resumed.load_state_dict(state)
+        if whole_epoch:
+            assert [b.tolist() for b in resumed] == expected[1]
+        else:
+            assert got + [b.tolist() for b in resumed] == expected[0]
+            assert [b.tolist() for b in resumed] == expected[1]
+
+
 class _DrawsThenFails(torch.utils.data.Dataset):
     """Each sample draws a random number; sample 1 raises after its draw."""
 
