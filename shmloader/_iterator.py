@@ -351,15 +351,27 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._rcvd_idx = 0
         self._task_info = {i - shift: info for i, info in self._task_info.items()}
         # Tasks of an epoch broken off (numbered below 0 now) leave the new
-        # epoch its whole prefetch window, as torch's reset does: their results
-        # are dropped as they come (older than the epoch base).
+        # epoch its whole prefetch window, as torch's reset does: their
+        # results are awaited and dropped first, so that their slots are free
+        # for that window.
+        stale = 0
         for idx in [i for i in self._task_info if i < 0]:
             info = self._task_info.pop(idx)
             self._workers_num_tasks[info[0]] -= 1
             if len(info) == 1:
                 self._tasks_outstanding -= 1
+                stale += 1
             else:
                 _discard(info[1])
+        kept = []  # the new epoch's results that come meanwhile
+        while stale:
+            task_id, payload = self._next_arrival()
+            if task_id is not None and task_id < self._epoch_base:
+                _discard(payload)
+                stale -= 1
+            else:
+                kept.append((task_id, payload))
+        self._arrivals.extendleft(reversed(kept))
         self._num_yielded = 0
         self._prefetched.adopt()
         self._next_epoch_at = self._prefetched = None

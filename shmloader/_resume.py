@@ -337,10 +337,9 @@ def state_dict(loader, progress: Progress) -> dict:
     sampler_generators_now = [g.get_state() for g in sampler_generators(loader)]
     sampler_now = sampler_state(loader)
     if finished and progress.next_start is not None:
-        # The next epoch was prefetched: it starts from where the generator
-        # and sampler stood before it was drawn.
-        generator_now = progress.next_start.generator_state
-        sampler_generators_now = progress.next_start.sampler_generator_states
+        # The next epoch was prefetched: it starts from where the sampler
+        # stood before it was drawn.  (The generators are as the user left
+        # them: the prefetch draws on private states of its own.)
         sampler_now = progress.next_start.sampler_state
     state = {
         "version": STATE_VERSION,

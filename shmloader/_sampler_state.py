@@ -64,32 +64,46 @@ def sampler_generators(loader):
     return [g for g in _generators(loader) if g is not loader.generator]
 
 
-def _value(value):
+def _value(value, dataset):
     if isinstance(value, _PRIMITIVES):
         return value
     if isinstance(value, torch.Generator):
         return bytes(value.get_state().numpy())
+    if value is dataset:  # a sampler's data_source: the data, not how it is drawn
+        return "dataset"
     # Indices and weights a user may change in place (a list sampler
     # reshuffled before each epoch, SubsetRandomSampler's indices): by content.
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(value))
-    if isinstance(value, torch.Tensor):
-        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        return ("tensor", value.dtype, tuple(value.shape), bytes(data.numpy()))
-    if isinstance(value, np.ndarray):
-        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    try:
+        if isinstance(value, (list, tuple)):
+            return (type(value), tuple(value))
+        if isinstance(value, torch.Tensor):
+            data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
+            return ("tensor", value.dtype, tuple(value.shape),
+                    bytes(data.reshape(-1).view(torch.uint8).numpy()))
+        if isinstance(value, np.ndarray):
+            return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    except Exception:  # noqa: BLE001 - a tensor with no plain bytes (sparse, meta, ...)
+        pass
     return ("object", id(value))
 
 
 def _capture(loader):
-    snapshot = [_value(loader.generator)]
+    dataset = loader.dataset
+    snapshot = [_value(loader.generator, dataset)]
     for sampler in _samplers(loader):
         if hasattr(sampler, "__dict__"):
-            attrs = sorted((k, _value(v)) for k, v in vars(sampler).items())
+            attrs = sorted((k, _value(v, dataset)) for k, v in vars(sampler).items())
             snapshot.append((type(sampler), attrs))
         else:  # a plain iterable of indices (torch takes any as sampler)
-            snapshot.append(_value(sampler))
+            snapshot.append(_value(sampler, dataset))
     return snapshot
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - elements that cannot say (tensors in a list)
+        return False
 
 
 class PrefetchedEpoch:
@@ -108,7 +122,8 @@ class PrefetchedEpoch:
                 now = getattr(sampler, "epoch", None)
                 self._epochs.append((sampler, now + 1 if type(now) is int else epoch))
         self._expected = None
-        self.failed = False  # a draw raised: the epoch is left to the next iter()
+        self._left = None  # the user's generator states the last draw left
+        self.failed = False  # a draw raised, or the loop drew: the epoch is left to iter()
 
     def draw(self, fn):
         """fn() (a draw from the next epoch's sampler iterator), made in the
@@ -118,8 +133,14 @@ class PrefetchedEpoch:
         if self.failed:
             raise StopIteration
         # The user's generators and samplers as they are now (the loop may
-        # have drawn from them, or set an epoch, since the last draw).
+        # have set an epoch since the last draw).  A generator the loop drew
+        # from since then has moved on from where this epoch was drawn: torch
+        # would draw the epoch after those draws, so it is left to iter().
         user_states = [g.get_state() for g in self._generators]
+        if self._left is not None and not all(
+                torch.equal(a, b) for a, b in zip(user_states, self._left)):
+            self.failed = True
+            raise StopIteration
         user_epochs = [getattr(sampler, "epoch", None) for sampler, _ in self._epochs]
         try:
             for g, state in zip(self._generators, self._private_states):
@@ -136,6 +157,7 @@ class PrefetchedEpoch:
             self._private_states = [g.get_state() for g in self._generators]
             for g, state in zip(self._generators, user_states):
                 g.set_state(state)
+            self._left = user_states
             # What the user's objects must look like at the next iter().
             self._expected = _capture(self._loader)
             for (sampler, _), now in zip(self._epochs, user_epochs):
@@ -146,7 +168,7 @@ class PrefetchedEpoch:
         """Whether the next iter() finds what this epoch was drawn with (and
         its sampler did not fail: then that iter() draws it afresh)."""
         return not self.failed and self._expected is not None and \
-            _capture(self._loader) == self._expected
+            _same(_capture(self._loader), self._expected)
 
     def adopt(self) -> None:
         """The draws happen now: the generators move on as they would have."""

@@ -257,6 +257,66 @@ def test_sampler_whose_epoch_cannot_be_read_is_not_prefetched():
     assert stats.prefetched_epochs == 0
 
 
+def _draw_at_one_step(cls, step, **kw):
+    """Two epochs of 10 batches; the loop draws from the loader's generator once, after
+    batch `step` of the first (a window of 4: the sampler runs out at batch 6)."""
+    g = torch.Generator().manual_seed(3)
+    loader = cls(list(range(20)), batch_size=2, shuffle=True, generator=g, num_workers=2,
+                 persistent_workers=True, **kw)
+    epochs, draws = [], []
+    with warnings.catch_warnings(), deadline(90):
+        warnings.simplefilter("ignore")
+        for e in range(2):
+            epochs.append([])
+            for k, batch in enumerate(loader):
+                epochs[-1].append(batch.tolist())
+                if e == 0 and k == step:
+                    draws.append(torch.rand(1, generator=g).item())
+    return epochs, draws, torch.rand(1, generator=g).item()
+
+
+@pytest.mark.parametrize("step", [7, 8])
+def test_loop_drawing_from_the_generator_while_the_next_epoch_is_drawn(step):
+    """A draw of the loop's between two of the prefetch's draws: torch draws the next epoch
+    after it, so the prefetched epoch is dropped and drawn afresh."""
+    assert _draw_at_one_step(prefetching(), step) == _draw_at_one_step(TorchDataLoader, step)
+
+
+def test_a_dataset_of_tensors_replaced_between_epochs():
+    """RandomSampler holds the dataset (a list of tensors) as its data_source: replacing a
+    sample between epochs (pseudo-labels) neither fails the comparison nor drops anything
+    (the samples are the dataset's business, not the sampler's)."""
+    def run(cls, **kw):
+        data = [torch.full((2,), float(i)) for i in range(12)]
+        loader = cls(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(1),
+                     num_workers=2, persistent_workers=True, **kw)
+        out = []
+        for e in range(3):
+            data[e] = torch.full((2,), -1.0)
+            out.append([b.tolist() for b in loader])
+        return out
+
+    assert run(prefetching()) == run(TorchDataLoader)
+
+
+def test_break_after_the_sampler_ran_out_leaves_the_ring_its_slots():
+    """The broken-off epoch's tasks still in flight are awaited before the adopted epoch
+    fills its window, so their slots are free for it: no batch falls back to torch's
+    transport."""
+    loader = ShmDataLoader(D.IndexMap(40), batch_size=1, num_workers=2, prefetch_factor=4,
+                           persistent_workers=True, prefetch_next_epoch=True)
+    with warnings.catch_warnings(), deadline(90):
+        warnings.simplefilter("error")
+        for _ in loader:  # sizes the ring
+            pass
+        for k, _ in enumerate(loader):
+            if k == 32:  # the sampler has run out: the next epoch is being fetched
+                break
+        assert [int(b[0]) for b in loader] == list(range(40))
+    stats = loader.stats()
+    assert stats.ring_full_batches == 0 and stats.prefetched_epochs == 2
+
+
 def _draws_in_the_loop(cls, **kw):
     """Two epochs whose loop draws from the loader's generator after every batch."""
     seed_all(SEED)

@@ -622,6 +622,38 @@ def test_resume_with_a_samplers_own_generator(num_workers, batch_sampler):
             assert [b.tolist() for b in resumed] == expected[1]
 
 
+@pytest.mark.parametrize("own", [False, True], ids=["loaders_generator", "samplers_generator"])
+def test_resume_at_an_epochs_end_after_the_loop_drew_from_the_generator(own):
+    """prefetch_next_epoch drew the next epoch on private states; the loop then drew from
+    the generator. A state at the epoch's end keeps the generator as the loop left it, so
+    the resumed next epoch is the uninterrupted run's."""
+    import shmloader
+
+    def make():
+        g = torch.Generator().manual_seed(5)
+        data = list(range(20))
+        kw = dict(sampler=torch.utils.data.RandomSampler(data, generator=g)) if own else \
+            dict(shuffle=True, generator=g)
+        return shmloader.DataLoader(data, batch_size=2, num_workers=2, persistent_workers=True,
+                                    prefetch_next_epoch=True, **kw), g
+
+    def epoch_with_draws(loader, g):
+        out = []
+        for batch in loader:
+            out.append(batch.tolist())
+            torch.rand(1, generator=g)
+        return out
+
+    loader, g = make()
+    epoch_with_draws(loader, g)
+    state = roundtrip(loader.state_dict())
+    expected = epoch_with_draws(loader, g)
+    del loader
+    resumed, g = make()
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == expected
+
+
 class _DrawsThenFails(torch.utils.data.Dataset):
     """Each sample draws a random number; sample 1 raises after its draw."""
 
