@@ -398,6 +398,8 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             task_id, payload = self._next_arrival()
             if task_id is None:
                 pending -= 1
+                _, worker_id, rng_state = payload
+                self._progress.worker_resumed(worker_id, rng_state)
             else:
                 _discard(payload)
         # Every worker published or gave up its old tasks before it answered:
@@ -496,7 +498,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
 
     def _next_arrival(self):
         """(task_id, payload) of the next result from any worker, or
-        (None, ("resumed",)); sleeps until one comes, a worker dies, or the
+        (None, ("resumed", ...)); sleeps until one comes, a worker dies, or the
         timeout passes."""
         while not self._arrivals:
             self._collect()

@@ -237,6 +237,14 @@ class Progress:
             return
         self.yielded = _mark(self.yielded, self.yielded_beyond, idx)
 
+    def worker_resumed(self, worker_id: int, rng_state) -> None:
+        """A persistent worker begins this epoch in `rng_state` (None:
+        unchanged): after the last tasks of an epoch broken off, which it
+        fetched, drawing from its RNGs, though nobody yielded them."""
+        if rng_state is not None:
+            self.worker_states[worker_id] = rng_state
+            self.epoch_start_worker_states[worker_id] = rng_state
+
     def worker_ran_out(self, worker_id: int, worker_state) -> None:
         if worker_state is not None:
             self.ran_out_states[worker_id] = worker_state

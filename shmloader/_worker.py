@@ -37,7 +37,7 @@ Worker -> main, over the worker's result pipe:
     ("row_error", task_id, row, ExceptionWrapper)   sent before the row is counted done
     ("layout", task_id, SampleLayout)
     ("stop", task_id, state or None) an IterableDataset ran out
-    ("resumed",)
+    ("resumed", worker_id, RNG states or None)
 
 A whole batch carries the worker's state after it (see _resume.py), in its
 slot's metadata or its pipe message, unless nothing in it can differ
@@ -405,7 +405,10 @@ def _run(cfg: WorkerConfig) -> None:
                 fetcher, fetcher_error = make_fetcher(), None
             except Exception:
                 fetcher, fetcher_error = None, ExceptionWrapper(where=where)
-            cfg.results.send(("resumed",))
+            # With the RNG states the old epoch's last tasks left (a new
+            # epoch's dataset state starts afresh): where this epoch begins.
+            cfg.results.send(("resumed", cfg.worker_id,
+                              worker_snapshot(None) if work.snapshots else None))
             continue
         stale = iteration_end or inbox.superseded()
         if not stale:

@@ -654,6 +654,44 @@ def test_resume_at_an_epochs_end_after_the_loop_drew_from_the_generator(own):
     assert [b.tolist() for b in resumed] == expected
 
 
+class _Augmented(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i), torch.rand(1).item()], dtype=torch.float64)
+
+
+def test_resume_after_an_epoch_broken_off_with_persistent_workers():
+    """Persistent workers fetch the tasks in flight when an epoch is broken off, drawing
+    from their RNGs (as torch's do): a state taken in the next epoch starts each worker
+    after those draws, so the resumed augmentations are the uninterrupted run's."""
+    import shmloader
+
+    def make():
+        return shmloader.DataLoader(_Augmented(), batch_size=2, shuffle=True, num_workers=2,
+                                    persistent_workers=True,
+                                    generator=torch.Generator().manual_seed(0))
+
+    def break_off(loader):
+        for k, _ in enumerate(loader):
+            if k == 1:
+                break
+
+    reference = make()
+    break_off(reference)
+    expected = [[b.tolist() for b in reference] for _ in range(2)]
+    first = make()
+    break_off(first)
+    it = iter(first)
+    got = [next(it).tolist()]
+    state = roundtrip(first.state_dict())
+    del it, first
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [got + [b.tolist() for b in resumed], [b.tolist() for b in resumed]] == expected
+
+
 class _DrawsThenFails(torch.utils.data.Dataset):
     """Each sample draws a random number; sample 1 raises after its draw."""
 
