@@ -141,6 +141,8 @@ class Progress:
     # batches (a worker's k-th task gets its k-th), whose epoch positions
     # under in_order=False depend on timing.  (numbers below, set beyond)
     yielded_by_worker: list = dataclasses.field(default_factory=list)
+    # Per worker, the task number whose state worker_states holds (IterableDataset).
+    state_numbers: list = dataclasses.field(default_factory=list)
     base_seed: int | None = None
     generator_state: torch.Tensor | None = None  # loader.generator at epoch start
     # ... and the generators the samplers hold (see sampler_generators)
@@ -167,6 +169,7 @@ class Progress:
         self.sampler_started = sampler_started
         self.yielded, self.yielded_beyond = 0, set()
         self.yielded_by_worker = [(0, set()) for _ in range(num_workers)]
+        self.state_numbers = [-1] * num_workers
         self.base_seed = base_seed
         self.generator_state = (loader.generator.get_state()
                                 if loader.generator is not None else None)
@@ -193,6 +196,7 @@ class Progress:
         self.sampler_started = True
         self.yielded, self.yielded_beyond = 0, set()
         self.yielded_by_worker = [(0, set()) for _ in self.yielded_by_worker]
+        self.state_numbers = [-1] * len(self.yielded_by_worker)
         self.epoch_start_worker_states = list(self.worker_states)
         self.base_seed = other.base_seed
         self.generator_state = other.generator_state
@@ -228,6 +232,12 @@ class Progress:
         if number is not None:
             below, beyond = self.yielded_by_worker[worker_id]
             self.yielded_by_worker[worker_id] = (_mark(below, beyond, number), beyond)
+            if number < self.state_numbers[worker_id]:
+                # Overtaken (in_order=False): the worker's state after a later
+                # batch is already kept, and this one is behind it.
+                worker_state = None
+            else:
+                self.state_numbers[worker_id] = number
         if worker_state is not None:
             self.worker_states[worker_id] = worker_state
         if idx < self.yielded:

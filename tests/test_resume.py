@@ -692,6 +692,22 @@ def test_resume_after_an_epoch_broken_off_with_persistent_workers():
     assert [got + [b.tolist() for b in resumed], [b.tolist() for b in resumed]] == expected
 
 
+def test_a_workers_overtaken_batch_leaves_its_later_state():
+    """in_order=False may yield a worker's batch after its later one (a slot overtaking a
+    pipe message): the state kept is the one after the later batch, or a resume fetches
+    the later batch again."""
+    import shmloader
+    from shmloader._resume import Progress
+
+    loader = shmloader.DataLoader(_RandomStream(), batch_size=2, num_workers=2, in_order=False)
+    progress = Progress()
+    progress.epoch_begins(loader, 0, None, 2, None)
+    progress.batch_yielded(0, 0, b"after task 1", number=1)
+    progress.batch_yielded(1, 0, b"after task 0", number=0)
+    progress.batch_yielded(2, 1, b"worker 1 after task 0", number=0)
+    assert progress.worker_states == [b"after task 1", b"worker 1 after task 0"]
+
+
 class _DrawsThenFails(torch.utils.data.Dataset):
     """Each sample draws a random number; sample 1 raises after its draw."""
 
