@@ -65,6 +65,11 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
             return resume.first_draw(super()._next_index)
         return super()._next_index()
 
+    def _dataset_state(self):
+        if self._stateful is None:
+            return None
+        return {"dataset": own_state(self._stateful, "the dataset's")}
+
     def _next_data(self):
         if self._deferred_warnings:
             self._raise_deferred_warning()
@@ -80,11 +85,11 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
             self._progress.epoch_ended()
             raise
         except Exception:
-            self._progress.batch_yielded(idx, 0, None)
+            # A stream goes on after a failed item (torch's fetcher allows it), so the
+            # failed batch moves the dataset's state as a good one does.
+            self._progress.batch_yielded(idx, 0, self._dataset_state())
             raise
-        state = {"dataset": own_state(self._stateful, "the dataset's")} \
-            if self._stateful is not None else None
-        self._progress.batch_yielded(idx, 0, state)
+        self._progress.batch_yielded(idx, 0, self._dataset_state())
         if self._device_stage is not None:
             data = self._device_stage(data)
         return data

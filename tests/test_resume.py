@@ -748,6 +748,62 @@ def test_resume_after_a_failed_batch_keeps_its_draws():
     assert rest(resumed) == expected
 
 
+class _StreamWithABadItem(torch.utils.data.IterableDataset):
+    """A stream whose item 2 raises; the stream goes on after it, as torch's fetcher allows."""
+
+    def __init__(self):
+        self._position = self._start = 0
+
+    def state_dict(self):
+        return {"position": self._position}
+
+    def load_state_dict(self, state):
+        self._start = state["position"]
+
+    def __iter__(self):
+        self._position, self._start = self._start, 0
+        return self
+
+    def __next__(self):
+        if self._position >= 6:
+            raise StopIteration
+        self._position += 1
+        if self._position == 3:
+            raise ValueError("bad item 2")
+        return self._position - 1
+
+
+def _items_and_errors(it, stop_at_error=False):
+    out = []
+    while True:
+        try:
+            out.append(next(it).tolist())
+        except StopIteration:
+            return out
+        except ValueError as e:
+            out.append(str(e).splitlines()[-1])
+            if stop_at_error:
+                return out
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_after_a_failed_item_of_a_stateful_stream(num_workers):
+    """The failed batch moved the dataset's state as a good one does: a state taken right
+    after it resumes with the next item, not with the failed one again (torch's run is
+    the reference)."""
+    import shmloader
+
+    kw = dict(batch_size=1, num_workers=num_workers)
+    expected = _items_and_errors(iter(torch.utils.data.DataLoader(_StreamWithABadItem(), **kw)))
+    loader = shmloader.DataLoader(_StreamWithABadItem(), **kw)
+    got = _items_and_errors(iter(loader), stop_at_error=True)
+    assert got[-1].endswith("bad item 2")
+    state = roundtrip(loader.state_dict())
+    del loader
+    resumed = shmloader.DataLoader(_StreamWithABadItem(), **kw)
+    resumed.load_state_dict(state)
+    assert got + _items_and_errors(iter(resumed)) == expected
+
 class _RandomStream(torch.utils.data.IterableDataset):
     def __iter__(self):
         for _ in range(4):
