@@ -36,7 +36,7 @@ from array import array
 import numpy as np
 import torch
 
-from ._sampler_state import sampler_generators
+from ._sampler_state import loader_samplers, sampler_generators
 
 # 2: the config names the sampler and batch sampler; 3: batches yielded per worker;
 # 4: the states of the generators samplers hold
@@ -280,8 +280,10 @@ def _mark(below: int, beyond: set, n: int) -> int:
 
 
 def _stateful_sampler(loader):
-    """The sampler whose own state_dict() records where an epoch starts."""
-    for sampler in (loader.batch_sampler, loader.sampler):
+    """The sampler whose own state_dict() records where an epoch starts: the
+    outermost one (a stateful batch sampler answers for the sampler it holds),
+    or one inside a plain BatchSampler."""
+    for sampler in [loader.batch_sampler, loader.sampler] + loader_samplers(loader):
         if callable(getattr(sampler, "state_dict", None)) and \
                 callable(getattr(sampler, "load_state_dict", None)):
             return sampler

@@ -28,7 +28,7 @@ from torch.utils.data import Sampler
 _PRIMITIVES = (int, float, str, bool, bytes, type(None))
 
 
-def _samplers(loader):
+def loader_samplers(loader):
     """The loader's sampler and batch_sampler, and samplers they hold (a
     BatchSampler's sampler), each once."""
     seen = []
@@ -43,7 +43,7 @@ def _samplers(loader):
 
 def _generators(loader):
     found = [loader.generator] if loader.generator is not None else []
-    for sampler in _samplers(loader):
+    for sampler in loader_samplers(loader):
         for value in getattr(sampler, "__dict__", {}).values():
             if isinstance(value, torch.Generator) and all(value is not g for g in found):
                 found.append(value)
@@ -54,7 +54,7 @@ def can_prefetch(loader) -> bool:
     """Whether the next epoch can be drawn invisibly: a sampler with set_epoch
     must keep its epoch in an int `epoch` attribute, to be set back after
     each draw."""
-    return all(type(getattr(sampler, "epoch", None)) is int for sampler in _samplers(loader)
+    return all(type(getattr(sampler, "epoch", None)) is int for sampler in loader_samplers(loader)
                if callable(getattr(sampler, "set_epoch", None)))
 
 
@@ -90,7 +90,7 @@ def _value(value, dataset):
 def _capture(loader):
     dataset = loader.dataset
     snapshot = [_value(loader.generator, dataset)]
-    for sampler in _samplers(loader):
+    for sampler in loader_samplers(loader):
         if hasattr(sampler, "__dict__"):
             attrs = sorted((k, _value(v, dataset)) for k, v in vars(sampler).items())
             snapshot.append((type(sampler), attrs))
@@ -117,7 +117,7 @@ class PrefetchedEpoch:
         # (sampler, the epoch to draw with) for samplers with set_epoch: e + 1
         # from the sampler's own count where it keeps one.
         self._epochs = []
-        for sampler in _samplers(loader):
+        for sampler in loader_samplers(loader):
             if callable(getattr(sampler, "set_epoch", None)):
                 now = getattr(sampler, "epoch", None)
                 self._epochs.append((sampler, now + 1 if type(now) is int else epoch))

@@ -38,7 +38,7 @@ import warnings
 
 import numpy as np
 import torch
-from torch.utils.data import (Dataset, DistributedSampler, IterableDataset,
+from torch.utils.data import (BatchSampler, Dataset, DistributedSampler, IterableDataset,
                               Sampler, get_worker_info)
 
 from tests.datasets import EpochRandomSampler
@@ -239,6 +239,10 @@ SCENARIOS = {
     "stateful_sampler_w2": dict(make=_sampler(CountingSampler, **W2)),
     "stateful_sampler_w2_persistent": dict(make=_sampler(CountingSampler, **W2P)),
     "stateful_sampler_w0": dict(make=_sampler(CountingSampler, num_workers=0), compare="index"),
+    # The stateful sampler inside a plain BatchSampler passed as batch_sampler=.
+    "stateful_sampler_in_batch_sampler_w2": dict(make=lambda: _loader(
+        AugMap(), batch_sampler=BatchSampler(CountingSampler(), BATCH, drop_last=False),
+        generator=_gen(), **W2)),
     "stateful_batch_sampler_eager_w2": dict(make=lambda: _loader(
         AugMap(), batch_sampler=EagerCountingBatchSampler(), generator=_gen(), **W2)),
     "stateful_batch_sampler_eager_w0": dict(make=lambda: _loader(
