@@ -247,14 +247,20 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
                 return
             rewind = loader._epochs_started = self._prefetched.epoch  # numbered again below
         resume, self._resume = self._resume, None
+        started_from = None  # a finished epoch's state: where the workers start
         if resume is not None and resume.finished:
-            resume = None  # already applied: the new epoch starts as any other
+            # Already applied: the new epoch starts as any other, its workers
+            # from the saved states.
+            started_from, resume = resume, None
         if resume is not None:
             resume.restore_sampler(loader)
         self._epoch = loader._next_epoch()  # numbers epochs for seed_per_sample
         # Before super()._reset, which runs iter() on the sampler.
         self._progress.epoch_begins(loader, self._epoch, self._base_seed, self._num_workers,
                                     sampler_state(loader))
+        if started_from is not None:
+            self._progress.workers_start_from(
+                [started_from.worker_state(i) for i in range(self._num_workers)])
         super()._reset(loader, first_iter)
         self._position = 0  # epoch position of the next sample to dispatch
         self._epoch_base += self._send_idx  # task ids stay unique across epochs

@@ -190,6 +190,11 @@ class Progress:
             self.worker_states = [_rng_only(s) for s in self.worker_states]
         self.epoch_start_worker_states = list(self.worker_states)
 
+    def workers_start_from(self, states: list) -> None:
+        """The epoch's workers were started in `states` (None: seeded afresh)."""
+        self.worker_states = list(states)
+        self.epoch_start_worker_states = list(states)
+
     def begin_like(self, other: "Progress") -> None:
         """Begin the epoch `other` recorded the start of (a prefetched one)."""
         self.epoch, self.started, self.finished = other.epoch, True, False

@@ -692,6 +692,35 @@ def test_resume_after_an_epoch_broken_off_with_persistent_workers():
     assert [got + [b.tolist() for b in resumed], [b.tolist() for b in resumed]] == expected
 
 
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_resume_of_a_resume_at_an_epochs_end_with_persistent_workers(k):
+    """A loader resumed from an epoch's end starts its persistent workers from the saved
+    RNG states: a state it takes before each worker yielded a batch keeps them, so a
+    second resume's augmentations are the uninterrupted run's."""
+    import shmloader
+
+    def make():
+        return shmloader.DataLoader(_Augmented(), batch_size=2, shuffle=True, num_workers=2,
+                                    persistent_workers=True,
+                                    generator=torch.Generator().manual_seed(0))
+
+    reference = make()
+    expected = [[b.tolist() for b in reference] for _ in range(3)]
+    first = make()
+    list(first)
+    at_epoch_end = roundtrip(first.state_dict())
+    del first
+    second = make()
+    second.load_state_dict(at_epoch_end)
+    it = iter(second)
+    got = [next(it).tolist() for _ in range(k)]
+    mid_epoch = roundtrip(second.state_dict())
+    del it, second
+    third = make()
+    third.load_state_dict(mid_epoch)
+    assert [got + [b.tolist() for b in third], [b.tolist() for b in third]] == expected[1:]
+
 def test_a_workers_overtaken_batch_leaves_its_later_state():
     """in_order=False may yield a worker's batch after its later one (a slot overtaking a
     pipe message): the state kept is the one after the later batch, or a resume fetches
