@@ -267,6 +267,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._send_idx = 0  # epoch index of the next task to send
         self._rcvd_idx = 0  # epoch index of the next batch to yield
         self._task_info = {}  # epoch index -> (worker_id,) or (worker_id, data)
+        self._held = set()  # in_order=False: results waiting for their worker's earlier ones
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
@@ -378,6 +379,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             else:
                 kept.append((task_id, payload))
         self._arrivals.extendleft(reversed(kept))
+        self._held = set()  # (the broken-off epoch's, dropped above)
         self._num_yielded = 0
         self._prefetched.adopt()
         self._next_epoch_at = self._prefetched = None
@@ -641,6 +643,12 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             self._start_ring(self._handover.learned_slot_bytes)
         end = self._send_idx if self._next_epoch_at is None else self._next_epoch_at
         while True:
+            if self._held:
+                idx = self._first_in_turn(self._held)
+                if idx is not None:
+                    self._held.discard(idx)
+                    worker_id, data = self._task_info.pop(idx)
+                    return self._process_data(data, worker_id, idx)
             # Skip tasks of workers that became inactive without an answer.
             while self._rcvd_idx < end:
                 info = self._task_info.get(self._rcvd_idx)
@@ -658,6 +666,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
                 raise StopIteration
 
             if len(self._task_info[self._rcvd_idx]) == 2:
+                self._held.discard(self._rcvd_idx)
                 worker_id, data = self._task_info.pop(self._rcvd_idx)
                 self._rcvd_idx += 1
                 return self._process_data(data, worker_id, self._rcvd_idx - 1)
@@ -676,6 +685,10 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             if idx != self._rcvd_idx:
                 if not self._in_order and (self._next_epoch_at is None or
                                            idx < self._next_epoch_at):
+                    if self._first_in_turn([idx]) is None:
+                        self._task_info[idx] += (data,)
+                        self._held.add(idx)
+                        continue
                     worker_id = self._task_info.pop(idx)[0]
                     return self._process_data(data, worker_id, idx)
                 self._task_info[idx] += (data,)
@@ -683,6 +696,21 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
                 worker_id = self._task_info.pop(idx)[0]
                 self._rcvd_idx += 1
                 return self._process_data(data, worker_id, idx)
+
+    def _first_in_turn(self, indices):
+        """The first of these arrived results whose worker has answered every
+        earlier task of its own, or None.  With in_order=False a slot can
+        overtake its worker's earlier answer on the pipe (see _collect); torch
+        never yields a worker's results out of that worker's order (a resumed
+        IterableDataset relies on it), so such a result waits its turn.
+        (fetch="sample" tasks belong to no one worker.)"""
+        for idx in sorted(indices):
+            worker_id = self._task_info[idx][0]
+            if self._fetch != "batch" or not any(
+                    j < idx and len(info) == 1 and info[0] == worker_id
+                    for j, info in self._task_info.items()):
+                return idx
+        return None
 
     def _process_data(self, data, worker_id, idx):
         self._workers_num_tasks[worker_id] -= 1
@@ -764,6 +792,12 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             pool.shutdown(graceful)
         while self._arrivals:
             _discard(self._arrivals.popleft()[1])
+        # Results that arrived before their turn: their slots are free for
+        # the loader's next iterator even while this one is still referenced.
+        for info in getattr(self, "_task_info", {}).values():
+            if len(info) == 2:
+                _discard(info[1])
+        self._task_info, self._held = {}, set()
         if self._ring is not None:
             # Every worker is gone: the ring goes back to the loader for its
             # next iterator (batches the user holds keep their slots), or,

@@ -526,6 +526,13 @@ def shard_init_fn(worker_id):
     ds.end = min(ds.start + per, ds.end)
 
 
+def late_worker_0_init_fn(worker_id):
+    # Worker 0 starts late (a slow import, say): its first batches travel by pipe, before
+    # the ring exists, while worker 1's later ones come in slots.
+    if worker_id == 0:
+        time.sleep(0.5)
+
+
 def failing_init_fn(worker_id):
     if worker_id == 1:
         raise ValueError(f"init failed for worker {worker_id}")

@@ -310,6 +310,22 @@ def test_in_order_false_same_multiset(make_dataset, kw):
     check(make_dataset, ordered=False, in_order=False, num_workers=2, **kw)
 
 
+
+@pytest.mark.parametrize("batch_size", [2, None], ids=["batches", "samples"])
+def test_in_order_false_yields_each_workers_batches_in_its_order(batch_size):
+    """torch's one result queue never reorders a worker's batches, even with
+    in_order=False; a stateful IterableDataset's resume relies on it. Here worker 0's first
+    batches take the pipe (no ring yet) while worker 1's later ones take slots."""
+    for _ in range(3):
+        loader = ShmDataLoader(D.ShardedIterable(40), batch_size=batch_size, num_workers=2,
+                               in_order=False, worker_init_fn=D.late_worker_0_init_fn)
+        seen = collections.defaultdict(list)  # worker -> its items, as yielded
+        for batch in loader:
+            items = batch["i"].tolist() if batch_size else [int(batch["i"])]
+            seen[items[0] % 2] += items
+        assert dict(seen) == {w: sorted(seen[w]) for w in seen}
+        assert sorted(seen[0] + seen[1]) == list(range(40))
+
 # --------------------------------------------------------------------------- start methods
 MP_SCENARIOS = {
     # seeds, get_worker_info(), worker_init_fn, generator, persistent workers

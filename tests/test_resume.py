@@ -66,6 +66,7 @@ import pickle
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -951,3 +952,33 @@ def test_load_into_a_used_persistent_loader(matrix):
     loader.load_state_dict(roundtrip(state))
     got = [[D.record(b) for b in loader] for _ in range(D.EPOCHS)]
     assert check_resumed(D.SCENARIOS[name], ref, ref, point, got) is None
+
+
+class _FirstSampleSlow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        if i == 0:
+            time.sleep(1.0)  # worker 1's batches arrive first and wait their turn
+        return torch.tensor([float(i)])
+
+
+def test_load_into_a_used_persistent_loader_frees_the_batches_waiting_their_turn():
+    """Batches that arrived before their turn belong to the live iterator that
+    load_state_dict() ends: their slots are free for the next epoch, so it yields every batch
+    through the ring, with no ring-full warning, even while that iterator is referenced."""
+    import shmloader
+
+    loader = shmloader.DataLoader(_FirstSampleSlow(), batch_size=1, num_workers=2,
+                                  prefetch_factor=4, persistent_workers=True)
+    state = roundtrip(loader.state_dict())
+    expected = [b.tolist() for b in loader]  # (the ring is sized by this epoch's first batch)
+    it = iter(loader)
+    assert next(it).tolist() == [[0.0]]
+    loader.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [b.tolist() for b in loader] == expected
+    assert loader.stats().ring_full_batches == 0
+    del it
