@@ -25,8 +25,13 @@ def track(ring) -> None:
     _consumer_rings.add(ring)
 
 
+def tracked_rings() -> list:
+    """The rings of this process still alive (made here or inherited)."""
+    return list(_consumer_rings)
+
+
 def _before_fork() -> None:
-    for ring in list(_consumer_rings):
+    for ring in tracked_rings():
         try:
             ring.privatize_held()
         except OSError as e:

@@ -42,7 +42,9 @@ from . import _cuda, _layout
 from ._pool import WorkerDied, WorkerPool
 from ._ring import MAX_SLOTS
 from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
-from ._rings import create_ring, reserve_in_background, retire
+from ._rings import (SharedMemoryError, create_ring, release_spare_rings,
+                     reserve_in_background, retire, room_for_the_rest, short_room_message,
+                     slots_with_room)
 from ._sampler_state import PrefetchedEpoch, can_prefetch
 from ._warn import WarnsBetweenBatches
 from ._worker import MEASURE, NO_SLOT
@@ -102,6 +104,9 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._slot_bytes = loader.slot_bytes
         # Capped at what a ring can hold: tasks in flight beyond it travel by
         # torch's transport (with the ring-full warning).
+        self._sized_by_user = loader.num_slots is not None
+        # No room in /dev/shm for a ring this epoch: torch's transport for all.
+        self._no_room = False
         self._nslots = loader.num_slots or min(
             self._prefetch_factor * self._num_workers + SPARE_SLOTS, MAX_SLOTS)
         device = loader.device
@@ -114,6 +119,12 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         # Slot room beyond the batch's own for the worker state it carries.
         self._state_bytes = STATE_BYTES if carries_state(
             self._dataset_kind, loader.seed_per_sample) else 0
+
+        slot_bytes = self._known_slot_bytes()
+        if slot_bytes:
+            # Before the workers are forked: a spare ring not taken is gone
+            # then, not mapped on in them (its memory held) as they run.
+            self._open_ring(slot_bytes)
 
         ctx = loader.multiprocessing_context or torch.multiprocessing
         init_fn = loader.worker_init_fn
@@ -146,13 +157,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         ])
         self._next_epoch_at = None  # epoch index of the next epoch's first task
         self._prefetched = None  # its PrefetchedEpoch
-        if self._fetch == "sample":
-            if self._handover.sample_layout is not None:
-                self._start_ring(self._handover.sample_layout.slot_bytes)
-        else:
-            slot_bytes = self._slot_bytes or self._handover.learned_slot_bytes
-            if slot_bytes:
-                self._start_ring(slot_bytes)
+        self._attach_ring()
         self._reset(loader, first_iter=True)
 
     def __next__(self):
@@ -169,12 +174,39 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
 
     # ---- ring -------------------------------------------------------------
 
+    def _known_slot_bytes(self) -> int | None:
+        """The slot size a ring can be made with before any batch of this
+        iterator: fetch="sample"'s layout, the user's, or the one learned."""
+        if self._fetch == "sample":
+            layout = self._handover.sample_layout
+            return layout.slot_bytes if layout is not None else None
+        return self._slot_bytes or self._handover.learned_slot_bytes
+
     def _start_ring(self, slot_bytes: int) -> None:
+        self._open_ring(slot_bytes)
+        self._attach_ring()
+
+    def _open_ring(self, slot_bytes: int) -> None:
+        """The loader's spare ring where it fits, else a new one (or none)."""
         slot_bytes = max(slot_bytes, self._slot_bytes or 0) + self._state_bytes
         self._ring = self._handover.take_spare_ring(self._nslots, slot_bytes)
+        if self._ring is not None and not self._sized_by_user and \
+                not room_for_the_rest(self._ring):
+            release_spare_rings()  # (see _create_ring)
+            if not room_for_the_rest(self._ring):
+                retire(self._ring)  # and made anew, to fit
+                self._ring = None
         if self._ring is None:
-            self._ring = create_ring(self._nslots, slot_bytes)
+            # The stats stop reading the loader's last ring, so that its memory
+            # is gone before this one is measured out and made.
+            self._counters.use_ring(None, self._num_workers)
+            self._ring = self._create_ring(slot_bytes)
             self._reserve_rest_in = RESERVE_REST_AFTER
+
+    def _attach_ring(self) -> None:
+        """Hand the ring to the workers, and count from it."""
+        if self._ring is None:
+            return
         if self._register:
             self._registered = self._ring.release_hook is not None
             if not self._registered:
@@ -188,6 +220,41 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         if self._fetch == "sample":
             self._pool.broadcast(("layout", self._handover.sample_layout))
         self._counters.use_ring(self._ring, self._num_workers)
+
+    def _create_ring(self, slot_bytes: int):
+        """A new ring.  With the default num_slots, where /dev/shm is short of
+        room for all of it (torch's loader works in a small /dev/shm, as
+        Docker's default 64 MB: so must this one), a smaller ring that leaves
+        room for one batch of torch's transport (the batches beyond its slots
+        go that way), if it can hold every batch in flight, the loop's and the
+        one being yielded; else none (None: this epoch's batches all go by
+        torch's transport, as torch's do), unless the user chose slot_bytes.
+        A size the user chose that does not fit is an error."""
+        fit, free = slots_with_room(self._nslots, slot_bytes)
+        if fit < self._nslots and not self._sized_by_user:
+            # Other loaders' rings idle between their epochs give their room
+            # first (a validation loader beside a training loader's ring).
+            release_spare_rings()
+            fit, free = slots_with_room(self._nslots, slot_bytes)
+        if self._sized_by_user or fit == self._nslots:
+            return create_ring(self._nslots, slot_bytes)
+        nslots = fit - 1 if fit >= self._prefetch_factor * self._num_workers + 2 else 0
+        if nslots < 1 and self._slot_bytes is not None:
+            return create_ring(self._nslots, slot_bytes)  # (its error names the user's size)
+        message = short_room_message(max(nslots, 0), self._nslots, slot_bytes, free)
+        ring = None
+        if nslots >= 1:
+            try:
+                ring = create_ring(nslots, slot_bytes)
+            except SharedMemoryError:  # the room went meanwhile
+                message = short_room_message(0, self._nslots, slot_bytes, free)
+        if not self._counters.warned_shm_room:
+            self._counters.warned_shm_room = True
+            # (the ring-full warning would blame batches the loop keeps)
+            self._counters.warned_ring_full = True
+            self._warn(message, "warned_shm_room")
+        self._no_room = ring is None
+        return ring
 
     def _learn_layout(self, task_id, index, epoch, position):
         """fetch="sample": every worker starts on its share of this batch's
@@ -218,7 +285,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         return None
     def _claim_slot(self) -> int:
         if self._ring is None:
-            return MEASURE
+            return NO_SLOT if self._no_room else MEASURE
         if self._registered:
             self._ring.release_hook.reclaim(self._ring)  # slots whose copies are done
         slot = self._ring.claim()
@@ -281,6 +348,9 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._next_epoch_at = self._prefetched = None
         if resume is not None:
             self._resume_epoch(resume)
+        if self._no_room and not first_iter:  # maybe there is room now
+            self._no_room = False
+            self._start_ring(self._known_slot_bytes())
         with self._failing_workers():
             if not first_iter:
                 self._resume_workers(rewind)
@@ -639,7 +709,8 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         return batch
 
     def _next_batch(self):
-        if self._ring is None and self._handover.learned_slot_bytes is not None:
+        if self._ring is None and self._handover.learned_slot_bytes is not None \
+                and not self._no_room:
             self._start_ring(self._handover.learned_slot_bytes)
         end = self._send_idx if self._next_epoch_at is None else self._next_epoch_at
         while True:

@@ -7,6 +7,7 @@ import os
 import resource
 import secrets
 import threading
+import weakref
 from dataclasses import dataclass
 
 from . import _fork
@@ -53,22 +54,79 @@ def shm_full_message(cause: str) -> str:
     (/dev/shm had room for the ring when it was made, but no longer)."""
     return (
         f"shmloader could not reserve a ring slot's shared memory ({cause}): {SHM_DIR} "
-        "filled up after the ring was made, so this batch is lost, as it would be with "
-        f"torch's transport. {_SHM_ADVICE}")
+        "filled up after the ring was made, so this batch is lost (torch's transport, which "
+        f"needs {SHM_DIR} too, fails such batches as well). {_SHM_ADVICE}")
+
+
+def _limit_bytes() -> int | None:
+    limit = os.environ.get(LIMIT_ENV)
+    if not limit:
+        return None
+    try:
+        return int(limit)
+    except ValueError:
+        raise ValueError(f"{LIMIT_ENV} should be a number of bytes, but is {limit!r}") from None
+
+
+def _slot_pages_bytes(slot_bytes: int) -> int:
+    page = os.sysconf("SC_PAGESIZE")
+    return -(-slot_bytes // page) * page
 
 
 def _check_limit(nslots: int, slot_bytes: int) -> None:
-    limit = os.environ.get(LIMIT_ENV)
-    if not limit:
-        return
-    try:
-        limit_bytes = int(limit)
-    except ValueError:
-        raise ValueError(f"{LIMIT_ENV} should be a number of bytes, but is {limit!r}") from None
-    page = os.sysconf("SC_PAGESIZE")
-    if nslots * -(-slot_bytes // page) * page > limit_bytes:
+    limit_bytes = _limit_bytes()
+    if limit_bytes is not None and nslots * _slot_pages_bytes(slot_bytes) > limit_bytes:
         raise SharedMemoryError(_ring_bytes_message(
             nslots, slot_bytes, f"{LIMIT_ENV}={limit_bytes} caps a ring at that size"))
+
+
+# Room left beside a ring's slots for its header (slot descriptors, worker
+# counters), rounded up generously.
+_HEADER_ROOM = 1 << 20
+
+
+def slots_with_room(nslots: int, slot_bytes: int) -> tuple[int, int | None]:
+    """(how many of `nslots` slots of `slot_bytes` fit in the shared memory
+    free now, and under SHMLOADER_SHM_LIMIT; the free bytes, None when
+    /dev/shm cannot be inspected, and then all of them are tried)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return nslots, None
+    free = st.f_bavail * st.f_frsize
+    slot = _slot_pages_bytes(slot_bytes)
+    fit = max(0, free - _HEADER_ROOM) // slot
+    limit_bytes = _limit_bytes()
+    if limit_bytes is not None:
+        fit = min(fit, limit_bytes // slot)
+    return min(nslots, fit), free
+
+
+def room_for_the_rest(ring: Ring) -> bool:
+    """Whether /dev/shm has room for the slots of `ring` (a spare one) not
+    reserved yet: their room was checked when it was made, not since."""
+    try:
+        unreserved = ring.total_bytes - os.fstat(ring.fds[0]).st_blocks * 512
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return True
+    return unreserved <= st.f_bavail * st.f_frsize
+
+
+def short_room_message(fit: int, nslots: int, slot_bytes: int, free: int) -> str:
+    """What a loader says when its default ring of `nslots` did not fit: it
+    works on with `fit` slots, or none, the rest of its batches by torch's
+    transport."""
+    others = sum(ring.total_bytes for ring in _fork.tracked_rings() if ring.owned_here)
+    held = (f"; rings of this process's other shmloader loaders take up to {others} bytes "
+            "of it (a loader keeps its ring until it is deleted)") if others else ""
+    ring = (f"its ring has {fit} of its {nslots} slots, and the batches beyond them travel"
+            if fit else "too little for a ring beside the batches in flight, so batches travel")
+    return (
+        f"shmloader: {SHM_DIR} has {free} bytes free{held}, for slots of {slot_bytes} bytes: "
+        f"{ring} by torch's transport, as all of torch's DataLoader's do (slower). Enlarge "
+        f"{SHM_DIR} (docker: --shm-size) or free space in it for the whole ring; num_slots= "
+        "sets the ring's size (a ring that then does not fit is an error).")
 
 
 def create_ring(nslots: int, slot_bytes: int) -> Ring:
@@ -123,7 +181,11 @@ def reserve_in_background(ring: Ring) -> None:
     threading.Thread(target=reserve, name="shmloader-reserve", daemon=True).start()
 
 
-@dataclass
+# Handovers holding a spare ring: memory a loader short of room may take back.
+_with_spare_ring: weakref.WeakSet = weakref.WeakSet()
+
+
+@dataclass(eq=False)  # (kept in a WeakSet: hashed by identity)
 class RingHandover:
     """What a loader's iterators pass on to the next one: the slot size
     learned from the first batch, fetch="sample"'s layout, and a ring whose
@@ -149,6 +211,7 @@ class RingHandover:
         """Take back the ring of an iterator whose workers have all exited."""
         _settle(ring)
         self.spare_ring = ring
+        _with_spare_ring.add(self)
 
     def retire_spare_ring(self) -> None:
         """The loader is gone: its spare ring keeps only the memory of the
@@ -156,6 +219,15 @@ class RingHandover:
         ring, self.spare_ring = self.spare_ring, None
         if ring is not None:
             retire(ring)
+
+
+def release_spare_rings() -> None:
+    """Give back the memory of every loader's spare ring in this process (a
+    loader between epochs keeps its ring, where torch's keeps nothing): for
+    a loader short of room.  Their loaders make new rings when they next
+    iterate."""
+    for handover in list(_with_spare_ring):
+        handover.retire_spare_ring()
 
 
 def _settle(ring: Ring) -> None:

@@ -29,7 +29,8 @@ class LoaderStats:
     unsized_batches: sent by torch's transport before the ring was sized
         from the first batch (slot_bytes=None, fetch="batch").
     ring_full_batches: sent by torch's transport because every slot was held
-        (kept batches, see num_slots).
+        (kept batches, see num_slots), or /dev/shm had room for a smaller
+        ring or none (see the README's "Small /dev/shm").
     spilled_batches: larger than their slot, delivered whole by torch's transport.
     fallback_leaves: tensor-like leaves that cannot live in a slot (CUDA,
         sparse, nested, subclasses, object arrays), pickled by torch.
@@ -93,7 +94,8 @@ class Counters:
     """The mutable counters behind LoaderStats, shared by a loader's iterators."""
 
     __slots__ = _COUNTED + ("occupancy_sum", "warned_ring_full", "warned_spill",
-                            "warned_register", "_ring", "_workers", "_retired")
+                            "warned_register", "warned_shm_room", "_ring", "_workers",
+                            "_retired")
 
     def __init__(self):
         for name in _COUNTED + ("occupancy_sum",):
@@ -101,6 +103,7 @@ class Counters:
         self.warned_ring_full = False
         self.warned_spill = False
         self.warned_register = False
+        self.warned_shm_room = False
         self._ring = None  # the ring whose worker counters are live
         self._workers = 0
         self._retired = []  # [busy_ns, samples, batches, bytes] per worker, of older rings

@@ -4,6 +4,7 @@ it), and a /dev/shm that fills up after that is a clear fallback or error,
 never a SIGBUS."""
 import os
 import subprocess
+import sys
 import time
 import warnings
 
@@ -97,3 +98,108 @@ def test_dev_shm_full_after_start_is_each_batch_error_and_loader_goes_on(monkeyp
     want = list(tud.DataLoader(Images(24), batch_size=4))
     got = list(loader)
     assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def _page_rounded(n):
+    page = os.sysconf("SC_PAGESIZE")
+    return -(-n // page) * page
+
+
+def _epochs(loader, epochs=2):
+    return [[b.tolist() for b in loader] for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("fetch", ["batch", "sample"])
+def test_a_default_ring_short_of_room_shrinks_and_every_batch_comes(monkeypatch, fetch):
+    """/dev/shm with room for 7 of the default ring's 8 slots (2 workers, prefetch 2):
+    a ring of 6, leaving one batch's room to torch's transport for the batches beyond
+    it; it says so once, and the batches are torch's."""
+    from shmloader._resume import STATE_BYTES  # (a slot's room for a worker's state)
+
+    monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(7 * _page_rounded(SLOT + STATE_BYTES)))
+    kw = dict(batch_size=4, num_workers=2)
+    want = _epochs(tud.DataLoader(Images(64), **kw))
+    loader = DataLoader(Images(64), slot_bytes=SLOT, fetch=fetch, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _epochs(loader) == want
+    messages = [str(w.message) for w in caught if "shmloader" in str(w.message)]
+    assert len(messages) == 1 and "its ring has 6 of its 8 slots" in messages[0], messages
+    assert "--shm-size" in messages[0] and "num_slots=" in messages[0]
+    stats = loader.stats()
+    assert stats.ring_slots == 6 and stats.slot_batches > 0
+
+
+def test_no_room_for_a_ring_beside_the_batches_in_flight_is_torchs_transport(monkeypatch):
+    """Room for fewer slots than the batches in flight, the loop's and the one yielded:
+    no ring (torch's transport, as torch's loader, every epoch), said once."""
+    monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(100_000))
+    kw = dict(batch_size=8, num_workers=2)
+    want = _epochs(tud.DataLoader(Images(64, shape=(3, 32, 32)), **kw), 3)
+    loader = DataLoader(Images(64, shape=(3, 32, 32)), persistent_workers=True, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _epochs(loader, 3) == want
+    messages = [str(w.message) for w in caught if "shmloader" in str(w.message)]
+    assert len(messages) == 1 and "too little for a ring" in messages[0], messages
+    stats = loader.stats()
+    assert stats.ring_slots == 0 and stats.slot_batches == 0 and stats.batches == 24
+
+
+def test_a_ring_of_the_users_slot_size_that_cannot_have_one_slot_is_an_error(monkeypatch):
+    monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(SLOT // 2))
+    with pytest.raises(SharedMemoryError, match="SHMLOADER_SHM_LIMIT"):
+        iter(DataLoader(Images(8), batch_size=4, num_workers=2, slot_bytes=SLOT))
+
+
+SMALL_DEV_SHM_SCRIPT = """
+import sys, warnings
+import torch
+from torch.utils.data import DataLoader as TorchLoader
+from shmloader import DataLoader
+from tests.datasets_lifecycle import Images
+
+warnings.simplefilter("ignore")
+# 4.7 MB batches in a 64 MB /dev/shm, as Docker's default: a training loader alive
+# throughout (its ring kept between epochs), a validation loader after each epoch.
+kw = dict(batch_size=32, num_workers=2)
+def loaders(make):
+    return (make(Images(512, shape=(3, 224, 224)), shuffle=True,
+                 generator=torch.Generator().manual_seed(0), **kw),
+            make(Images(192, shape=(3, 224, 224)), **kw))
+def sums(loader):
+    return [b.sum().item() for b in loader]
+def run(make):
+    train, val = loaders(make)
+    return [(sums(train), sums(val)) for epoch in range(3)], train
+want, _ = run(TorchLoader)  # (first: torch's own batches need room too)
+got, train = run(DataLoader)
+ok = got == want
+print("same as torch" if ok else "differs", train.stats().slot_batches, flush=True)
+"""
+
+
+def _private_small_dev_shm():
+    """A command prefix running in a private mount namespace with a 64 MB /dev/shm, or
+    None where this machine does not allow it (not root, no unshare)."""
+    probe = subprocess.run(["unshare", "-m", "sh", "-c",
+                            "mount -t tmpfs -o size=64m tmpfs /dev/shm"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+def test_train_and_validation_loaders_in_a_64_mb_dev_shm():
+    """Docker's default /dev/shm: torch's loaders run there, so shmloader's do too (the
+    validation loader, finding the training loader's ring in the way, goes by torch's
+    transport or a smaller ring)."""
+    if not _private_small_dev_shm():
+        pytest.skip("needs `unshare -m` and mount (root) for a private 64 MB /dev/shm")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = ("mount -t tmpfs -o size=64m tmpfs /dev/shm && "
+              f"exec {sys.executable} -c \"$0\"")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script, SMALL_DEV_SHM_SCRIPT],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    verdict, slot_batches = done.stdout.split()[-3:-1], int(done.stdout.split()[-1])
+    assert " ".join(verdict) == "as torch", done.stdout
+    assert slot_batches > 0  # the training loader kept its ring

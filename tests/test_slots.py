@@ -389,8 +389,10 @@ def test_stacking_into_slot_matches_torch_stack(kind):
 
 
 def test_shm_limit_env_simulates_small_dev_shm(monkeypatch):
+    """A ring of a size the user chose that does not fit is an error (a default one
+    shrinks: see test_shm_reserve.py)."""
     monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(100_000))
-    loader = DataLoader(Images(64, shape=(3, 32, 32)), batch_size=8, num_workers=2)
+    loader = DataLoader(Images(64, shape=(3, 32, 32)), batch_size=8, num_workers=2, num_slots=8)
     with pytest.raises(SharedMemoryError) as e:
         list(loader)  # the ring is sized from the first batch, then refused
     message = str(e.value)
