@@ -23,6 +23,7 @@ import contextlib
 import functools
 import itertools
 import os
+import threading
 import time
 import weakref
 from collections import deque
@@ -102,11 +103,11 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._arrivals = deque()
         self._row_errors = {}  # fetch="sample": task id -> {row: ExceptionWrapper}
         self._slot_bytes = loader.slot_bytes
-        # Capped at what a ring can hold: tasks in flight beyond it travel by
-        # torch's transport (with the ring-full warning).
         self._sized_by_user = loader.num_slots is not None
         # No room in /dev/shm for a ring this epoch: torch's transport for all.
         self._no_room = False
+        # Capped at what a ring can hold: tasks in flight beyond it travel by
+        # torch's transport (with the ring-full warning).
         self._nslots = loader.num_slots or min(
             self._prefetch_factor * self._num_workers + SPARE_SLOTS, MAX_SLOTS)
         device = loader.device
@@ -850,8 +851,12 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
     # ---- shutdown -----------------------------------------------------------
 
     def _shutdown_workers(self, graceful: bool = True) -> None:
-        if _utils is None or _utils.python_exit_status is not False:
-            return  # interpreter exit: multiprocessing's atexit ends daemon workers
+        if _utils is None or _utils.python_exit_status is not False \
+                or not threading.main_thread().is_alive():
+            # Interpreter exit (a thread still iterating once the main thread
+            # has returned, too): multiprocessing's atexit ends daemon workers,
+            # and closing them under it would make it fail.
+            return
         if self._shutdown:
             return
         self._shutdown = True
@@ -859,8 +864,14 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         if os.getpid() != self._owner_pid:
             return  # a forked child collecting a copy: the workers are not its own
         pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(graceful)
+        try:
+            if pool is not None:
+                pool.shutdown(graceful)
+        finally:  # (interrupted, the workers are gone all the same: see shutdown)
+            self._release_results()
+
+    def _release_results(self) -> None:
+        """Free what the gone workers left: results not yielded, and the ring."""
         while self._arrivals:
             _discard(self._arrivals.popleft()[1])
         # Results that arrived before their turn: their slots are free for

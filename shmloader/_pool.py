@@ -236,17 +236,26 @@ class WorkerPool:
         """Ask every worker to exit, wait a little, then terminate stragglers;
         with graceful=False (a worker died: the rest is abandoned) terminate
         at once."""
-        for conn in self._tasks:
-            try:
-                conn.send(None)
-            except OSError:
-                pass
-        deadline = time.monotonic() + (JOIN_TIMEOUT if graceful else 0.0)
-        for p in self.processes:
-            p.join(max(0.0, deadline - time.monotonic()))
+        try:
+            for conn in self._tasks:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + (JOIN_TIMEOUT if graceful else 0.0)
+            for p in self.processes:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            # Also when the wait is interrupted (Ctrl-C): as torch's shutdown,
+            # whatever happened, no worker outlives it.
+            self._end_processes()
+
+    def _end_processes(self) -> None:
         for p in self.processes:
             if p.is_alive():
                 p.terminate()
+        for p in self.processes:
+            if p.is_alive():
                 p.join(1.0)
             if p.is_alive():
                 p.kill()

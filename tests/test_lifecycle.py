@@ -634,3 +634,89 @@ def test_unpicklable_dataset_is_clear_error_and_leaves_nothing(context):
     assert "multiprocessing_context='fork'" in message
     gc.collect()
     assert wait_gone(list(set(own_children()) - children), 15)[0] == []
+
+
+INTERRUPTED_SHUTDOWN_SCRIPT = textwrap.dedent("""
+    import os, signal, threading, time, sys
+    import torch
+    import {module} as lib
+    from tests.procs import open_fds, own_children, wait_gone
+
+    class SlowAfterFirstBatch(torch.utils.data.Dataset):
+        def __len__(self):
+            return 32
+        def __getitem__(self, i):
+            if i >= 4:
+                time.sleep(3)  # the shutdown waits for the worker to finish it
+            return i
+
+    fds = open_fds()
+    loader = lib.DataLoader(SlowAfterFirstBatch(), batch_size=4, num_workers=2)
+    it = iter(loader)
+    next(it)
+    time.sleep(0.2)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C
+    try:
+        it._shutdown_workers()  # what the end of an epoch, `del it` or a break runs
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    left, _ = wait_gone(own_children(), 2.0)
+    del it, loader
+    print("workers left", len(left), "fds", open_fds() - fds, flush=True)
+""")
+
+
+def test_ctrl_c_while_shutting_down_still_ends_the_workers():
+    """As torch's shutdown (terminate in a finally): Ctrl-C while the shutdown waits for a
+    worker busy in a slow sample still ends every worker, and closes their fds (torch
+    leaves 4 open until its iterator is collected)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    outs = {}
+    for module in ("torch.utils.data", "shmloader"):
+        done = subprocess.run([sys.executable, "-c",
+                               INTERRUPTED_SHUTDOWN_SCRIPT.format(module=module)],
+                              cwd=root, capture_output=True, text=True, timeout=HANG)
+        outs[module] = done.stdout.split()
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert outs["torch.utils.data"][:4] == ["interrupted", "workers", "left", "0"], outs
+    assert outs["shmloader"] == ["interrupted", "workers", "left", "0", "fds", "0"], outs
+
+
+BACKGROUND_THREAD_AT_EXIT_SCRIPT = textwrap.dedent("""
+    import queue, threading, time
+    import torch
+    import shmloader
+
+    class Slow(torch.utils.data.Dataset):
+        def __len__(self):
+            return 400
+        def __getitem__(self, i):
+            time.sleep(0.05)
+            return torch.full((16,), float(i)), i
+
+    loader = shmloader.DataLoader(Slow(), batch_size=4, num_workers=2, persistent_workers=True)
+    batches = queue.Queue()
+
+    def feed():  # a prefetching thread, as many training loops have
+        while True:
+            for batch in loader:
+                batches.put(batch)
+
+    threading.Thread(target=feed, daemon=True).start()
+    for _ in range(3):
+        batches.get()
+    time.sleep(0.3)
+    # The program returns while the thread waits in next().
+""")
+
+
+def test_a_background_thread_iterating_at_exit_leaves_multiprocessing_its_exit():
+    """The main thread returns while a daemon thread iterates: multiprocessing's exit
+    handler ends the workers; the thread's iterator must not close them under it (which
+    made that handler fail: "process object is closed"), as torch's does not."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for _ in range(4):
+        done = subprocess.run([sys.executable, "-c", BACKGROUND_THREAD_AT_EXIT_SCRIPT],
+                              cwd=root, capture_output=True, text=True, timeout=HANG)
+        assert done.returncode == 0
+        assert "atexit" not in done.stderr and "is closed" not in done.stderr, done.stderr
