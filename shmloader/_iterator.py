@@ -22,8 +22,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import multiprocessing.util
 import os
-import threading
 import time
 import weakref
 from collections import deque
@@ -852,7 +852,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
 
     def _shutdown_workers(self, graceful: bool = True) -> None:
         if _utils is None or _utils.python_exit_status is not False \
-                or not threading.main_thread().is_alive():
+                or multiprocessing.util.is_exiting():
             # Interpreter exit (a thread still iterating once the main thread
             # has returned, too): multiprocessing's atexit ends daemon workers,
             # and closing them under it would make it fail.
