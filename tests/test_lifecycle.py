@@ -720,3 +720,31 @@ def test_a_background_thread_iterating_at_exit_leaves_multiprocessing_its_exit()
                               cwd=root, capture_output=True, text=True, timeout=HANG)
         assert done.returncode == 0
         assert "atexit" not in done.stderr and "is closed" not in done.stderr, done.stderr
+
+
+TRAINING_THREAD_OUTLIVING_MAIN_SCRIPT = textwrap.dedent("""
+    import threading, time
+    import torch
+    import shmloader
+    from tests.procs import own_children
+
+    loader = shmloader.DataLoader([torch.zeros(4)] * 64, batch_size=4, num_workers=2)
+
+    def train():
+        time.sleep(0.3)  # the main thread has returned by now
+        for _ in range(3):
+            batches = sum(1 for _ in loader)
+            print(batches, len(own_children()), flush=True)
+
+    threading.Thread(target=train).start()
+""")
+
+
+def test_a_training_thread_outliving_the_main_thread_ends_each_epochs_workers():
+    """A non-daemon thread that trains after the main thread returned: the interpreter is
+    not exiting yet, so each epoch's workers are shut down as usual."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", TRAINING_THREAD_OUTLIVING_MAIN_SCRIPT],
+                          cwd=root, capture_output=True, text=True, timeout=HANG)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["16", "0"] * 3, done.stdout
