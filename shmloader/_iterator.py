@@ -43,9 +43,9 @@ from . import _cuda, _layout
 from ._pool import WorkerDied, WorkerPool
 from ._ring import MAX_SLOTS
 from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
-from ._rings import (SharedMemoryError, create_ring, release_spare_rings,
-                     reserve_in_background, retire, room_for_the_rest, short_room_message,
-                     slots_with_room)
+from ._rings import (SharedMemoryError, create_ring, idle_ring_held_by, release_idle_rings,
+                     reserve_in_background, retire, ring_in_use_by, room_for_the_rest,
+                     short_room_message, slots_with_room)
 from ._sampler_state import PrefetchedEpoch, can_prefetch
 from ._warn import WarnsBetweenBatches
 from ._worker import MEASURE, NO_SLOT
@@ -193,7 +193,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._ring = self._handover.take_spare_ring(self._nslots, slot_bytes)
         if self._ring is not None and not self._sized_by_user and \
                 not room_for_the_rest(self._ring):
-            release_spare_rings()  # (see _create_ring)
+            release_idle_rings()  # (see _create_ring)
             if not room_for_the_rest(self._ring):
                 retire(self._ring)  # and made anew, to fit
                 self._ring = None
@@ -223,39 +223,47 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._counters.use_ring(self._ring, self._num_workers)
 
     def _create_ring(self, slot_bytes: int):
-        """A new ring.  With the default num_slots, where /dev/shm is short of
-        room for all of it (torch's loader works in a small /dev/shm, as
-        Docker's default 64 MB: so must this one), a smaller ring that leaves
-        room for one batch of torch's transport (the batches beyond its slots
-        go that way), if it can hold every batch in flight, the loop's and the
-        one being yielded; else none (None: this epoch's batches all go by
-        torch's transport, as torch's do), unless the user chose slot_bytes.
-        A size the user chose that does not fit is an error."""
-        fit, free = slots_with_room(self._nslots, slot_bytes)
+        """A new ring.  Where /dev/shm is short of room for all of it (torch's
+        loader works in a small /dev/shm, as Docker's default 64 MB: so must
+        this one), with the default num_slots: if the room holds every batch
+        in flight, the one being yielded and the one the loop holds (torch's
+        transport's peak), the slots that fit but one, whose room is left to
+        torch's transport for the batches beyond them; else none (None: this
+        epoch's batches all go by torch's transport, as torch's do).  A
+        num_slots the user chose that does not fit, or a slot_bytes of which
+        not one slot does, is an error."""
+        fit, room = slots_with_room(self._nslots, slot_bytes)
         if fit < self._nslots and not self._sized_by_user:
-            # Other loaders' rings idle between their epochs give their room
-            # first (a validation loader beside a training loader's ring).
-            release_spare_rings()
-            fit, free = slots_with_room(self._nslots, slot_bytes)
-        if self._sized_by_user or fit == self._nslots:
-            return create_ring(self._nslots, slot_bytes)
+            # Rings idle between their loaders' epochs give their room first
+            # (a validation loader beside a training loader's ring).
+            release_idle_rings()
+            fit, room = slots_with_room(self._nslots, slot_bytes)
+        if self._sized_by_user or fit == self._nslots or \
+                (fit == 0 and self._slot_bytes is not None):
+            return create_ring(self._nslots, slot_bytes)  # (its error names the sizes)
         nslots = fit - 1 if fit >= self._prefetch_factor * self._num_workers + 2 else 0
-        if nslots < 1 and self._slot_bytes is not None:
-            return create_ring(self._nslots, slot_bytes)  # (its error names the user's size)
-        message = short_room_message(max(nslots, 0), self._nslots, slot_bytes, free)
+        message = short_room_message(nslots, self._nslots, slot_bytes, room)
         ring = None
-        if nslots >= 1:
+        if nslots:
             try:
                 ring = create_ring(nslots, slot_bytes)
             except SharedMemoryError:  # the room went meanwhile
-                message = short_room_message(0, self._nslots, slot_bytes, free)
+                message = short_room_message(0, self._nslots, slot_bytes, room)
         if not self._counters.warned_shm_room:
             self._counters.warned_shm_room = True
-            # (the ring-full warning would blame batches the loop keeps)
-            self._counters.warned_ring_full = True
             self._warn(message, "warned_shm_room")
         self._no_room = ring is None
         return ring
+
+    def give_back_ring(self) -> None:
+        """Another loader is short of room: this persistent iterator, between
+        epochs, retires its ring (batches the loop keeps keep their slots)
+        and makes one again as its next epoch starts (see _reset)."""
+        if self._ring is None or self._shutdown:
+            return
+        ring, self._ring = self._ring, None
+        self._counters.use_ring(None, self._num_workers)
+        retire(ring)
 
     def _learn_layout(self, task_id, index, epoch, position):
         """fetch="sample": every worker starts on its share of this batch's
@@ -292,7 +300,9 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         slot = self._ring.claim()
         if slot is not None:
             return slot
-        if not self._counters.warned_ring_full:
+        # (A ring made smaller for want of room said so: batches beyond it are
+        # expected there, and not the loop's doing.)
+        if not self._counters.warned_ring_full and self._ring.nslots == self._nslots:
             self._counters.warned_ring_full = True
             self._warn(
                 f"shmloader: all {self._ring.nslots} ring slots are in use (batches still "
@@ -307,6 +317,21 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
 
     def _reset(self, loader, first_iter=False) -> None:
         self._forget_deferred_warnings()  # met in an epoch left unfinished
+        ring_in_use_by(self)
+        if not first_iter and self._ring is not None and not self._sized_by_user and \
+                self._prefetched is None and not room_for_the_rest(self._ring):
+            # A persistent iterator's ring, some slots never reserved, and
+            # their room taken meanwhile (see _open_ring).
+            release_idle_rings()
+            if not room_for_the_rest(self._ring):
+                self.give_back_ring()
+        if self._ring is None and not first_iter:
+            # No room for one last epoch, or given back to another loader:
+            # maybe there is room now.
+            self._no_room = False
+            slot_bytes = self._known_slot_bytes()
+            if slot_bytes:
+                self._start_ring(slot_bytes)
         self._epoch_started = time.perf_counter()
         rewind = None  # an epoch whose prefetched batches are dropped
         if self._prefetched is not None:
@@ -349,9 +374,6 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._next_epoch_at = self._prefetched = None
         if resume is not None:
             self._resume_epoch(resume)
-        if self._no_room and not first_iter:  # maybe there is room now
-            self._no_room = False
-            self._start_ring(self._known_slot_bytes())
         with self._failing_workers():
             if not first_iter:
                 self._resume_workers(rewind)
@@ -735,6 +757,10 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
                 self._progress.epoch_ended()
                 if not self._persistent_workers:
                     self._shutdown_workers()
+                elif self._prefetched is None:
+                    if self._ring is not None and self._ring.nslots < self._nslots:
+                        self.give_back_ring()  # made smaller: made to fit again next epoch
+                    idle_ring_held_by(self)  # until the next epoch (see give_back_ring)
                 raise StopIteration
 
             if len(self._task_info[self._rcvd_idx]) == 2:

@@ -85,21 +85,23 @@ def _check_limit(nslots: int, slot_bytes: int) -> None:
 _HEADER_ROOM = 1 << 20
 
 
-def slots_with_room(nslots: int, slot_bytes: int) -> tuple[int, int | None]:
+def slots_with_room(nslots: int, slot_bytes: int) -> tuple[int, str]:
     """(how many of `nslots` slots of `slot_bytes` fit in the shared memory
-    free now, and under SHMLOADER_SHM_LIMIT; the free bytes, None when
-    /dev/shm cannot be inspected, and then all of them are tried)."""
+    free now, and under SHMLOADER_SHM_LIMIT; that room in words).  All of
+    them where /dev/shm cannot be inspected (making the ring then says)."""
     try:
         st = os.statvfs(SHM_DIR)
-    except OSError:
-        return nslots, None
+    except OSError as e:
+        return nslots, f"{SHM_DIR} cannot be inspected ({e.strerror})"
     free = st.f_bavail * st.f_frsize
     slot = _slot_pages_bytes(slot_bytes)
     fit = max(0, free - _HEADER_ROOM) // slot
+    room = f"{SHM_DIR} has {free} bytes free"
     limit_bytes = _limit_bytes()
-    if limit_bytes is not None:
-        fit = min(fit, limit_bytes // slot)
-    return min(nslots, fit), free
+    if limit_bytes is not None and limit_bytes // slot < fit:
+        fit = limit_bytes // slot
+        room = f"{LIMIT_ENV}={limit_bytes} caps a ring at that many bytes"
+    return min(nslots, fit), room
 
 
 def room_for_the_rest(ring: Ring) -> bool:
@@ -113,17 +115,17 @@ def room_for_the_rest(ring: Ring) -> bool:
     return unreserved <= st.f_bavail * st.f_frsize
 
 
-def short_room_message(fit: int, nslots: int, slot_bytes: int, free: int) -> str:
+def short_room_message(fit: int, nslots: int, slot_bytes: int, room: str) -> str:
     """What a loader says when its default ring of `nslots` did not fit: it
     works on with `fit` slots, or none, the rest of its batches by torch's
     transport."""
     others = sum(ring.total_bytes for ring in _fork.tracked_rings() if ring.owned_here)
-    held = (f"; rings of this process's other shmloader loaders take up to {others} bytes "
-            "of it (a loader keeps its ring until it is deleted)") if others else ""
+    held = (f"; rings of this process's other shmloader loaders, mid-epoch or holding "
+            f"batches you keep, take up to {others} bytes of it") if others else ""
     ring = (f"its ring has {fit} of its {nslots} slots, and the batches beyond them travel"
             if fit else "too little for a ring beside the batches in flight, so batches travel")
     return (
-        f"shmloader: {SHM_DIR} has {free} bytes free{held}, for slots of {slot_bytes} bytes: "
+        f"shmloader: {room}{held}, for slots of {slot_bytes} bytes: "
         f"{ring} by torch's transport, as all of torch's DataLoader's do (slower). Enlarge "
         f"{SHM_DIR} (docker: --shm-size) or free space in it for the whole ring; num_slots= "
         "sets the ring's size (a ring that then does not fit is an error).")
@@ -181,8 +183,19 @@ def reserve_in_background(ring: Ring) -> None:
     threading.Thread(target=reserve, name="shmloader-reserve", daemon=True).start()
 
 
-# Handovers holding a spare ring: memory a loader short of room may take back.
-_with_spare_ring: weakref.WeakSet = weakref.WeakSet()
+# What holds a ring no batch is on its way to (a handover's spare ring; a
+# persistent iterator between epochs), each with give_back_ring(): memory a
+# loader short of room may take back.
+_idle_rings: weakref.WeakSet = weakref.WeakSet()
+
+
+def idle_ring_held_by(holder) -> None:
+    """`holder`'s ring is idle until it uses it again (see release_idle_rings)."""
+    _idle_rings.add(holder)
+
+
+def ring_in_use_by(holder) -> None:
+    _idle_rings.discard(holder)
 
 
 @dataclass(eq=False)  # (kept in a WeakSet: hashed by identity)
@@ -211,7 +224,10 @@ class RingHandover:
         """Take back the ring of an iterator whose workers have all exited."""
         _settle(ring)
         self.spare_ring = ring
-        _with_spare_ring.add(self)
+        idle_ring_held_by(self)
+
+    def give_back_ring(self) -> None:
+        self.retire_spare_ring()
 
     def retire_spare_ring(self) -> None:
         """The loader is gone: its spare ring keeps only the memory of the
@@ -221,13 +237,14 @@ class RingHandover:
             retire(ring)
 
 
-def release_spare_rings() -> None:
-    """Give back the memory of every loader's spare ring in this process (a
-    loader between epochs keeps its ring, where torch's keeps nothing): for
-    a loader short of room.  Their loaders make new rings when they next
+def release_idle_rings() -> None:
+    """Give back the memory of every ring of this process that sits idle
+    between its loader's epochs (where torch's loader keeps nothing): for a
+    loader short of room.  Their loaders make new rings when they next
     iterate."""
-    for handover in list(_with_spare_ring):
-        handover.retire_spare_ring()
+    for holder in list(_idle_rings):
+        _idle_rings.discard(holder)
+        holder.give_back_ring()
 
 
 def _settle(ring: Ring) -> None:

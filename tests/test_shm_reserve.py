@@ -146,6 +146,58 @@ def test_no_room_for_a_ring_beside_the_batches_in_flight_is_torchs_transport(mon
     assert stats.ring_slots == 0 and stats.slot_batches == 0 and stats.batches == 24
 
 
+@pytest.mark.parametrize("prefetch_next_epoch", [False, True], ids=["plain", "prefetch"])
+def test_a_loader_without_room_for_a_ring_makes_one_once_there_is_room(monkeypatch,
+                                                                        prefetch_next_epoch):
+    monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(100_000))
+    kw = dict(batch_size=8, num_workers=2)
+    want = _epochs(tud.DataLoader(Images(64, shape=(3, 32, 32)), **kw), 3)
+    loader = DataLoader(Images(64, shape=(3, 32, 32)), persistent_workers=True,
+                        prefetch_next_epoch=prefetch_next_epoch, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _epochs(loader, 1)
+        assert loader.stats().slot_batches == 0
+        monkeypatch.delenv("SHMLOADER_SHM_LIMIT")  # room now
+        got += _epochs(loader, 2)
+    assert got == want
+    assert loader.stats().slot_batches >= 8  # the last epoch at least, through a ring of 8
+    assert loader.stats().ring_slots == 8
+
+
+def test_the_ring_full_warning_still_comes_after_an_epoch_short_of_room(monkeypatch):
+    """The short-of-room warning stands in for the ring-full one only while the ring is
+    smaller: a later whole ring that the loop fills says so."""
+    from shmloader._resume import STATE_BYTES
+
+    monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(7 * _page_rounded(SLOT + STATE_BYTES)))
+    loader = DataLoader(Images(64, shape=(3, 64, 64)), batch_size=4, num_workers=2,
+                        slot_bytes=SLOT)  # (batches too big to be copied out of their slots)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _epochs(loader, 1)
+        monkeypatch.delenv("SHMLOADER_SHM_LIMIT")
+        kept = list(loader)  # every batch kept: the whole ring fills
+    messages = [str(w.message) for w in caught if "shmloader" in str(w.message)]
+    assert len(messages) == 2 and "its ring has 6" in messages[0], messages
+    assert "ring slots are in use" in messages[1]
+    assert len(kept) == 16
+
+
+def test_a_users_slot_bytes_short_of_room_gets_torchs_transport(monkeypatch):
+    """slot_bytes given, num_slots left to the loader: room for a few slots but not for
+    the batches in flight is no ring, not an error (the batches are torch's)."""
+    from shmloader._resume import STATE_BYTES
+
+    monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(3 * _page_rounded(SLOT + STATE_BYTES)))
+    kw = dict(batch_size=4, num_workers=2)
+    want = _epochs(tud.DataLoader(Images(32), **kw))
+    loader = DataLoader(Images(32), slot_bytes=SLOT, **kw)
+    with pytest.warns(UserWarning, match="too little for a ring"):
+        assert _epochs(loader) == want
+    assert loader.stats().slot_batches == 0
+
+
 def test_a_ring_of_the_users_slot_size_that_cannot_have_one_slot_is_an_error(monkeypatch):
     monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(SLOT // 2))
     with pytest.raises(SharedMemoryError, match="SHMLOADER_SHM_LIMIT"):
@@ -162,7 +214,7 @@ from tests.datasets_lifecycle import Images
 warnings.simplefilter("ignore")
 # 4.7 MB batches in a 64 MB /dev/shm, as Docker's default: a training loader alive
 # throughout (its ring kept between epochs), a validation loader after each epoch.
-kw = dict(batch_size=32, num_workers=2)
+kw = dict(batch_size=32, num_workers=2, persistent_workers=PERSISTENT)
 def loaders(make):
     return (make(Images(512, shape=(3, 224, 224)), shuffle=True,
                  generator=torch.Generator().manual_seed(0), **kw),
@@ -188,16 +240,18 @@ def _private_small_dev_shm():
     return probe.returncode == 0
 
 
-def test_train_and_validation_loaders_in_a_64_mb_dev_shm():
+@pytest.mark.parametrize("persistent", [False, True], ids=["non_persistent", "persistent"])
+def test_train_and_validation_loaders_in_a_64_mb_dev_shm(persistent):
     """Docker's default /dev/shm: torch's loaders run there, so shmloader's do too (the
-    validation loader, finding the training loader's ring in the way, goes by torch's
-    transport or a smaller ring)."""
+    training loader's ring, idle between its epochs, gives its room to the validation
+    loader, and is made again at the next epoch)."""
     if not _private_small_dev_shm():
         pytest.skip("needs `unshare -m` and mount (root) for a private 64 MB /dev/shm")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = ("mount -t tmpfs -o size=64m tmpfs /dev/shm && "
               f"exec {sys.executable} -c \"$0\"")
-    done = subprocess.run(["unshare", "-m", "sh", "-c", script, SMALL_DEV_SHM_SCRIPT],
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script,
+                           SMALL_DEV_SHM_SCRIPT.replace("PERSISTENT", str(persistent))],
                           cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     verdict, slot_batches = done.stdout.split()[-3:-1], int(done.stdout.split()[-1])
