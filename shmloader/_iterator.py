@@ -43,9 +43,9 @@ from . import _cuda, _layout
 from ._pool import WorkerDied, WorkerPool
 from ._ring import MAX_SLOTS
 from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
-from ._rings import (SharedMemoryError, create_ring, idle_ring_held_by, release_idle_rings,
-                     reserve_in_background, retire, ring_in_use_by, room_for_the_rest,
-                     short_room_message, slots_with_room)
+from ._rings import (SharedMemoryError, create_ring, idle_ring_held_by, idle_rings_crowd_shm,
+                     release_idle_rings, reserve_in_background, retire, ring_in_use_by,
+                     room_for_the_rest, short_room_message, slots_with_room)
 from ._sampler_state import PrefetchedEpoch, can_prefetch
 from ._warn import WarnsBetweenBatches
 from ._worker import MEASURE, NO_SLOT
@@ -126,6 +126,10 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             # Before the workers are forked: a spare ring not taken is gone
             # then, not mapped on in them (its memory held) as they run.
             self._open_ring(slot_bytes)
+        if self._ring is None and idle_rings_crowd_shm():
+            # Batches by torch's transport first (sizing the ring): they need
+            # the room other loaders' idle rings hold.
+            release_idle_rings()
 
         ctx = loader.multiprocessing_context or torch.multiprocessing
         init_fn = loader.worker_init_fn
@@ -255,6 +259,9 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._no_room = ring is None
         return ring
 
+    def idle_ring_bytes(self) -> int:
+        return self._ring.total_bytes if self._ring is not None else 0
+
     def give_back_ring(self) -> None:
         """Another loader is short of room: this persistent iterator, between
         epochs, retires its ring (batches the loop keeps keep their slots)
@@ -319,7 +326,8 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._forget_deferred_warnings()  # met in an epoch left unfinished
         ring_in_use_by(self)
         if not first_iter and self._ring is not None and not self._sized_by_user and \
-                self._prefetched is None and not room_for_the_rest(self._ring):
+                self._prefetched is None and not self._tasks_outstanding and \
+                not room_for_the_rest(self._ring):
             # A persistent iterator's ring, some slots never reserved, and
             # their room taken meanwhile (see _open_ring).
             release_idle_rings()

@@ -254,17 +254,20 @@ class WorkerPool:
         for p in self.processes:
             if p.is_alive():
                 p.terminate()
-        for p in self.processes:
-            if p.is_alive():
-                p.join(1.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-            if not p.is_alive():  # else unreapable: SIGCHLD ignored, from another thread
-                p.close()  # its sentinel fds
-        for conn in self._tasks + self._results:
-            conn.close()
-        self._exiting = set(range(len(self.processes)))
+        try:
+            for p in self.processes:
+                if p.is_alive():
+                    p.join(1.0)
+        finally:  # (Ctrl-C again: a worker that ignores SIGTERM goes all the same)
+            for p in self.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+                if not p.is_alive():  # else unreapable: SIGCHLD ignored, from another thread
+                    p.close()  # its sentinel fds
+            for conn in self._tasks + self._results:
+                conn.close()
+            self._exiting = set(range(len(self.processes)))
 
 
 def send_bytes(conn, data: bytes) -> None:

@@ -93,10 +93,12 @@ def slots_with_room(nslots: int, slot_bytes: int) -> tuple[int, str]:
         st = os.statvfs(SHM_DIR)
     except OSError as e:
         return nslots, f"{SHM_DIR} cannot be inspected ({e.strerror})"
-    free = st.f_bavail * st.f_frsize
+    promised = _promised()  # (made by other loaders, not all reserved yet)
+    free = st.f_bavail * st.f_frsize - promised
     slot = _slot_pages_bytes(slot_bytes)
     fit = max(0, free - _HEADER_ROOM) // slot
-    room = f"{SHM_DIR} has {free} bytes free"
+    room = f"{SHM_DIR} has {free} bytes free" + (
+        f" beside the {promised} bytes other rings of this process will take" if promised else "")
     limit_bytes = _limit_bytes()
     if limit_bytes is not None and limit_bytes // slot < fit:
         fit = limit_bytes // slot
@@ -104,15 +106,41 @@ def slots_with_room(nslots: int, slot_bytes: int) -> tuple[int, str]:
     return min(nslots, fit), room
 
 
-def room_for_the_rest(ring: Ring) -> bool:
-    """Whether /dev/shm has room for the slots of `ring` (a spare one) not
-    reserved yet: their room was checked when it was made, not since."""
+def _unreserved(ring: Ring) -> int:
     try:
-        unreserved = ring.total_bytes - os.fstat(ring.fds[0]).st_blocks * 512
+        return max(0, ring.total_bytes - os.fstat(ring.fds[0]).st_blocks * 512)
+    except (OSError, IndexError):
+        return 0
+
+
+def _promised(but=None) -> int:
+    """Bytes this process's live rings (but `but`) will still reserve: room
+    that statvfs shows free, but is theirs (rings are reserved lazily)."""
+    return sum(_unreserved(ring) for ring in _fork.tracked_rings()
+               if ring is not but and ring.owned_here and ring not in _retired)
+
+
+def room_for_the_rest(ring: Ring) -> bool:
+    """Whether /dev/shm has room for the slots of `ring` (a spare one, or a
+    persistent iterator's) not reserved yet: their room was checked when it
+    was made, not since."""
+    try:
         st = os.statvfs(SHM_DIR)
     except OSError:
         return True
-    return unreserved <= st.f_bavail * st.f_frsize
+    return _unreserved(ring) <= st.f_bavail * st.f_frsize - _promised(but=ring)
+
+
+def idle_rings_crowd_shm() -> bool:
+    """Whether rings idle between their loaders' epochs hold more of /dev/shm
+    than is left free: a loader about to send batches by torch's transport
+    (sizing its ring) should have their room then."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return False
+    idle = sum(holder.idle_ring_bytes() for holder in list(_idle_rings))
+    return idle > st.f_bavail * st.f_frsize - _promised()
 
 
 def short_room_message(fit: int, nslots: int, slot_bytes: int, room: str) -> str:
@@ -180,7 +208,16 @@ def reserve_in_background(ring: Ring) -> None:
         except OSError:
             pass
 
-    threading.Thread(target=reserve, name="shmloader-reserve", daemon=True).start()
+    thread = threading.Thread(target=reserve, name="shmloader-reserve", daemon=True)
+    _reserving[ring] = thread
+    thread.start()
+
+
+# Rings whose reservation thread may still run (retire waits for it: its
+# pages would come back after the retirement dropped them).
+_reserving: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Rings retired: their dropped slots are not reserved again.
+_retired: weakref.WeakSet = weakref.WeakSet()
 
 
 # What holds a ring no batch is on its way to (a handover's spare ring; a
@@ -218,6 +255,8 @@ class RingHandover:
         if ring is not None and ring.owned_here and ring.nslots == nslots \
                 and ring.slot_bytes >= slot_bytes:
             return ring
+        if ring is not None:
+            retire(ring)  # (batches kept from it keep their slots only)
         return None
 
     def keep_spare_ring(self, ring: Ring) -> None:
@@ -228,6 +267,9 @@ class RingHandover:
 
     def give_back_ring(self) -> None:
         self.retire_spare_ring()
+
+    def idle_ring_bytes(self) -> int:
+        return self.spare_ring.total_bytes if self.spare_ring is not None else 0
 
     def retire_spare_ring(self) -> None:
         """The loader is gone: its spare ring keeps only the memory of the
@@ -262,5 +304,9 @@ def retire(ring: Ring) -> None:
     still hold keep their pages (see Ring.retire)."""
     if not ring.owned_here:
         return  # a forked child's copy of a loader: the slots are its parent's
+    thread = _reserving.pop(ring, None)
+    if thread is not None:
+        thread.join()
     _settle(ring)
     ring.retire()
+    _retired.add(ring)

@@ -231,6 +231,25 @@ print("same as torch" if ok else "differs", train.stats().slot_batches, flush=Tr
 """
 
 
+NEW_LOADER_AFTER_TRAINING_SCRIPT = """
+import torch
+from shmloader import DataLoader
+from tests.datasets_lifecycle import Images
+
+# 9.6 MB batches in a 64 MB /dev/shm: after two epochs of training, a new loader (an
+# evaluation): its first batches go by torch's transport while its ring is sized, in the
+# room the training loader's idle ring holds.
+train = DataLoader(Images(256, shape=(3, 224, 224)), batch_size=64, num_workers=2)
+for epoch in range(2):
+    for batch in train:
+        pass
+    del batch
+test = DataLoader(Images(256, shape=(3, 224, 224)), batch_size=64, num_workers=2)
+print(sum(b.sum().item() for b in test) == sum(Images(256, shape=(3, 224, 224))[i].sum().item()
+                                          for i in range(256)))
+"""
+
+
 def _private_small_dev_shm():
     """A command prefix running in a private mount namespace with a 64 MB /dev/shm, or
     None where this machine does not allow it (not root, no unshare)."""
@@ -257,3 +276,18 @@ def test_train_and_validation_loaders_in_a_64_mb_dev_shm(persistent):
     verdict, slot_batches = done.stdout.split()[-3:-1], int(done.stdout.split()[-1])
     assert " ".join(verdict) == "as torch", done.stdout
     assert slot_batches > 0  # the training loader kept its ring
+
+
+def test_a_new_loader_after_training_in_a_64_mb_dev_shm():
+    """A loader made after another's epochs (an evaluation): the other's idle ring gives
+    its room to the batches that size the new loader's ring (torch's loaders run there)."""
+    if not _private_small_dev_shm():
+        pytest.skip("needs `unshare -m` and mount (root) for a private 64 MB /dev/shm")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = ("mount -t tmpfs -o size=64m tmpfs /dev/shm && "
+              f"exec {sys.executable} -c \"$0\"")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script,
+                           NEW_LOADER_AFTER_TRAINING_SCRIPT],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True"], done.stdout
