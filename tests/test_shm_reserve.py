@@ -250,13 +250,21 @@ print(sum(b.sum().item() for b in test) == sum(Images(256, shape=(3, 224, 224))[
 """
 
 
-def _private_small_dev_shm():
-    """A command prefix running in a private mount namespace with a 64 MB /dev/shm, or
-    None where this machine does not allow it (not root, no unshare)."""
+def _run_in_a_64_mb_dev_shm(script):
+    """`python -c script` from the repository's root, in a private mount namespace with a
+    64 MB /dev/shm (as Docker's default); the test skips where this machine does not
+    allow that (not root, no unshare)."""
     probe = subprocess.run(["unshare", "-m", "sh", "-c",
                             "mount -t tmpfs -o size=64m tmpfs /dev/shm"],
                            capture_output=True)
-    return probe.returncode == 0
+    if probe.returncode != 0:
+        pytest.skip("needs `unshare -m` and mount (root) for a private 64 MB /dev/shm")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} -c \"$0\""
+    done = subprocess.run(["unshare", "-m", "sh", "-c", command, script],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["non_persistent", "persistent"])
@@ -264,30 +272,12 @@ def test_train_and_validation_loaders_in_a_64_mb_dev_shm(persistent):
     """Docker's default /dev/shm: torch's loaders run there, so shmloader's do too (the
     training loader's ring, idle between its epochs, gives its room to the validation
     loader, and is made again at the next epoch)."""
-    if not _private_small_dev_shm():
-        pytest.skip("needs `unshare -m` and mount (root) for a private 64 MB /dev/shm")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = ("mount -t tmpfs -o size=64m tmpfs /dev/shm && "
-              f"exec {sys.executable} -c \"$0\"")
-    done = subprocess.run(["unshare", "-m", "sh", "-c", script,
-                           SMALL_DEV_SHM_SCRIPT.replace("PERSISTENT", str(persistent))],
-                          cwd=root, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    verdict, slot_batches = done.stdout.split()[-3:-1], int(done.stdout.split()[-1])
-    assert " ".join(verdict) == "as torch", done.stdout
-    assert slot_batches > 0  # the training loader kept its ring
+    out = _run_in_a_64_mb_dev_shm(SMALL_DEV_SHM_SCRIPT.replace("PERSISTENT", str(persistent)))
+    assert out[:3] == ["same", "as", "torch"], out
+    assert int(out[3]) > 0  # the training loader had a ring
 
 
 def test_a_new_loader_after_training_in_a_64_mb_dev_shm():
     """A loader made after another's epochs (an evaluation): the other's idle ring gives
     its room to the batches that size the new loader's ring (torch's loaders run there)."""
-    if not _private_small_dev_shm():
-        pytest.skip("needs `unshare -m` and mount (root) for a private 64 MB /dev/shm")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = ("mount -t tmpfs -o size=64m tmpfs /dev/shm && "
-              f"exec {sys.executable} -c \"$0\"")
-    done = subprocess.run(["unshare", "-m", "sh", "-c", script,
-                           NEW_LOADER_AFTER_TRAINING_SCRIPT],
-                          cwd=root, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["True"], done.stdout
+    assert _run_in_a_64_mb_dev_shm(NEW_LOADER_AFTER_TRAINING_SCRIPT) == ["True"]
