@@ -44,8 +44,8 @@ from ._pool import WorkerDied, WorkerPool
 from ._ring import MAX_SLOTS
 from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
 from ._rings import (SharedMemoryError, create_ring, idle_ring_held_by, idle_rings_crowd_shm,
-                     release_idle_rings, reserve_in_background, retire, ring_in_use_by,
-                     room_for_the_rest, short_room_message, slots_with_room)
+                     make_room_for_the_rest, release_idle_rings, reserve_in_background, retire,
+                     ring_in_use_by, short_room_message, slots_with_room)
 from ._sampler_state import PrefetchedEpoch, can_prefetch
 from ._warn import WarnsBetweenBatches
 from ._worker import MEASURE, NO_SLOT
@@ -196,11 +196,9 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         slot_bytes = max(slot_bytes, self._slot_bytes or 0) + self._state_bytes
         self._ring = self._handover.take_spare_ring(self._nslots, slot_bytes)
         if self._ring is not None and not self._sized_by_user and \
-                not room_for_the_rest(self._ring):
-            release_idle_rings()  # (see _create_ring)
-            if not room_for_the_rest(self._ring):
-                retire(self._ring)  # and made anew, to fit
-                self._ring = None
+                not make_room_for_the_rest(self._ring):
+            retire(self._ring)  # and made anew, to fit
+            self._ring = None
         if self._ring is None:
             # The stats stop reading the loader's last ring, so that its memory
             # is gone before this one is measured out and made.
@@ -327,12 +325,10 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         ring_in_use_by(self)
         if not first_iter and self._ring is not None and not self._sized_by_user and \
                 self._prefetched is None and not self._tasks_outstanding and \
-                not room_for_the_rest(self._ring):
+                not make_room_for_the_rest(self._ring):
             # A persistent iterator's ring, some slots never reserved, and
             # their room taken meanwhile (see _open_ring).
-            release_idle_rings()
-            if not room_for_the_rest(self._ring):
-                self.give_back_ring()
+            self.give_back_ring()
         if self._ring is None and not first_iter:
             # No room for one last epoch, or given back to another loader:
             # maybe there is room now.

@@ -131,6 +131,15 @@ def room_for_the_rest(ring: Ring) -> bool:
     return _unreserved(ring) <= st.f_bavail * st.f_frsize - _promised(but=ring)
 
 
+def make_room_for_the_rest(ring: Ring) -> bool:
+    """room_for_the_rest(ring), taking back the room of idle rings first
+    where it is short (see release_idle_rings)."""
+    if room_for_the_rest(ring):
+        return True
+    release_idle_rings()
+    return room_for_the_rest(ring)
+
+
 def idle_rings_crowd_shm() -> bool:
     """Whether rings idle between their loaders' epochs hold more of /dev/shm
     than is left free: a loader about to send batches by torch's transport
