@@ -253,11 +253,12 @@ class _LeafMaker:
     @staticmethod
     def _as_unpickled(array):
         """A numpy leaf as numpy's unpickling (torch's transport) makes it,
-        where that is not a view of the slot: in the native byte order, and
+        where that is not a view of the slot: a byte-swapped dtype in the
+        native byte order (a structured one keeps its fields' orders), and
         a copy that owns its data up to NUMPY_OWNS_UP_TO bytes, and above that,
         up to SMALL_LEAF_BYTES, a copy over a buffer it does not own.  (The
         arena places arrays in C or Fortran order, which a copy keeps.)"""
-        if not array.dtype.isnative:
+        if array.dtype.byteorder not in "=|":
             return array.astype(array.dtype.newbyteorder("="))
         if array.size == 0:  # its strides kept (a copy would zero them), and no slot held
             return np.ndarray(array.shape, array.dtype, buffer=bytearray(0),

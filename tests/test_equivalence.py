@@ -1004,24 +1004,32 @@ def test_two_storages_over_one_memory_arrive_apart_like_torch():
 
 
 def _numpy_collate(samples):
-    """numpy leaves of every size class, C- and Fortran-ordered, big-endian, empty."""
+    """numpy leaves of every size class, C- and Fortran-ordered, big-endian, empty, and
+    structured with a big-endian field (small and large)."""
     ids = np.array([i for i, _ in samples], dtype=np.int64)
     values = np.stack([v.numpy() for _, v in samples])
+    records = np.zeros(len(samples), dtype=[("id", "<i4"), ("flux", ">f8")])
+    records["id"], records["flux"] = ids, ids / 3
     return (ids, np.asfortranarray(values), np.repeat(values, 60, axis=1),
-            np.repeat(values, 2000, axis=1), ids.astype(">i4"), np.zeros((0, 3)))
+            np.repeat(values, 2000, axis=1), ids.astype(">i4"), np.zeros((0, 3)),
+            records, np.repeat(records, 2000))
 
 
 def test_numpy_leaves_arrive_as_numpys_unpickling_makes_them_like_torch():
     """Small arrays own their data (resize works) up to numpy's 1000 bytes, larger ones do
-    not; big-endian ones arrive in native order; strides as torch's."""
+    not; big-endian ones arrive in native order, but a structured one keeps its fields'
+    byte orders; bytes and strides as torch's."""
     def described(cls, **kw):
         loader = cls(D.IndexMap(12), batch_size=3, collate_fn=_numpy_collate, **W2, **kw)
-        return [[(a.dtype.str, a.shape, a.strides, a.flags.writeable, a.flags.f_contiguous,
-                  a.flags.owndata or a.size == 0) for a in batch] for batch in loader]
+        return [[(a.dtype.descr, a.shape, a.strides, a.flags.writeable, a.flags.f_contiguous,
+                  a.flags.owndata or a.size == 0, a.tobytes()) for a in batch]
+                for batch in loader]
 
     expected = described(TorchDataLoader)
-    assert [leaf[-1] for leaf in expected[0]] == [True, True, False, False, True, True]
-    assert expected[0][4][0] == "<i4"
+    assert [leaf[5] for leaf in expected[0]] == [True, True, False, False, True, True,
+                                                 True, False]
+    assert expected[0][4][0] == [("", "<i4")]
+    assert expected[0][6][0] == [("id", "<i4"), ("flux", ">f8")]
     assert described(ShmDataLoader, slot_bytes=1 << 20) == expected
     for cls in (TorchDataLoader, ShmDataLoader):
         ids = next(iter(cls(D.IndexMap(12), batch_size=3, collate_fn=_numpy_collate, **W2)))[0]
