@@ -414,8 +414,14 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
     def _next_index(self):
         if self._pending_first_draw is not None:
             resume, self._pending_first_draw = self._pending_first_draw, None
-            return resume.first_draw(super()._next_index)
-        return super()._next_index()
+            index = resume.first_draw(super()._next_index)
+        else:
+            index = super()._next_index()
+        if self._auto_collation and type(index) is not list and not hasattr(index, "__len__"):
+            # A batch_sampler's batch that is an iterator (torch's fetcher only
+            # iterates it): its length counts sample positions and rows.
+            index = list(index)
+        return index
 
     def _draw(self):
         """The next batch's indices, from this epoch's sampler or, once that

@@ -586,6 +586,18 @@ class ChunkBatchSampler(Sampler):
         return len(self._batches())
 
 
+class IteratorBatchSampler(Sampler):
+    """Batches that are iterators without a length, as torch's fetcher accepts."""
+
+    def __len__(self):
+        return 3
+
+    def __iter__(self):
+        yield iter([0, 1, 2, 3])
+        yield map(int, [7, 5])
+        yield iter(range(8, 11))
+
+
 class CountingBatchSampler(Sampler):
     """Counts how many batches the loader has pulled from it (in the main process)."""
 

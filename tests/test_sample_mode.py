@@ -88,6 +88,7 @@ SCENARIOS = {
     "batch-sampler-lists-w2": (
         P(D.IndexMap, 20),
         dict(batch_sampler=[[3, 0], [1, 2, 4, 5, 6, 13], [19], [7, 8, 9, 10, 11]], **W2)),
+    "batch-sampler-iterators-w2": (P(D.IndexMap, 12), dict(batch_sampler=D.IteratorBatchSampler(), **W2)),
     "batch-sampler-varying-w1": (
         P(D.IndexMap, 10), dict(batch_sampler=D.VaryingBatchSampler(10, [2, 3, 1]), num_workers=1)),
     # persistent workers over several epochs (the layout and ring are kept, rows rewritten)
