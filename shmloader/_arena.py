@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 from torch.utils.data._utils import collate as _torch_collate
 from torch.utils.data._utils.collate import (
     collate,
@@ -165,6 +166,8 @@ class Arena:
             view[...] = leaf
             # The dtype itself: its .str would drop a structured dtype's fields.
             return _layout.array_ref(offset, leaf.dtype, view.shape, view.strides)
+        if leaf.requires_grad and not leaf.is_leaf:
+            reduce_tensor(leaf)  # raises torch's error: its pickling refuses such a tensor
         shared = False  # whether other leaves view its bytes too
         if self.owns(leaf):
             leaf_ref = leaf  # stacked by SlotCollate, apart from every other leaf

@@ -247,6 +247,15 @@ def reduction_counting_collate(batch):
     return torch.stack([s[1] for s in batch]), ReductionCounter()
 
 
+_WEIGHT = torch.ones(3, requires_grad=True)
+
+
+def non_leaf_collate(batch):
+    """For IndexMap samples: a batch computed from a tensor that requires grad (a non-leaf,
+    which torch's pickling refuses to send)."""
+    return torch.stack([s[1][:3] for s in batch]).float() * _WEIGHT
+
+
 def twin_storages_collate(batch):
     """For IndexMap samples: two tensors over one numpy array's memory, each with a storage
     of its own (torch.from_numpy twice), as torch's transport keeps them: apart."""

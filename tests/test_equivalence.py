@@ -1064,6 +1064,17 @@ def test_strides_of_tensors_spanning_their_storage_like_torch():
         assert y["gappy"].is_contiguous()
 
 
+@pytest.mark.parametrize("slot_bytes", [None, 1 << 16], ids=["ring-sized-by-batches", "ring-at-start"])
+def test_a_non_leaf_tensor_that_requires_grad_is_refused_as_torchs_pickling_refuses_it(slot_bytes):
+    """torch's pickling refuses a batch tensor with a grad_fn (its feeder thread prints the
+    error and the loader waits for its timeout). A slot must not deliver it as a leaf that
+    has silently lost its graph: the worker's error is raised, naming detach()."""
+    loader = ShmDataLoader(D.IndexMap(12), batch_size=3, collate_fn=D.non_leaf_collate,
+                           slot_bytes=slot_bytes, timeout=60, **W2)
+    with pytest.raises(RuntimeError, match=r"non-leaf tensor which requires_grad.*detach\(\)"):
+        next(iter(loader))
+
+
 # --------------------------------------------------------------------------- shm-only knobs
 class _Point:
     def __init__(self, x):
