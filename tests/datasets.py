@@ -247,6 +247,18 @@ def reduction_counting_collate(batch):
     return torch.stack([s[1] for s in batch]), ReductionCounter()
 
 
+class BitsMap(IndexMap):
+    """Samples of a dtype torch's default collate cannot stack (bits8: no typed storage)."""
+
+    def __getitem__(self, i):
+        return torch.full((4,), i, dtype=torch.uint8).view(torch.bits8)
+
+
+def bits_collate(batch):
+    """Stacks BitsMap samples as bytes: a bits8 batch torch's transport carries."""
+    return torch.stack([s.view(torch.uint8) for s in batch]).view(torch.bits8)
+
+
 _WEIGHT = torch.ones(3, requires_grad=True)
 
 

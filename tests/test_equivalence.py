@@ -1075,6 +1075,22 @@ def test_a_non_leaf_tensor_that_requires_grad_is_refused_as_torchs_pickling_refu
         next(iter(loader))
 
 
+def test_bit_dtypes_fail_default_collate_as_torch_and_pass_a_custom_one():
+    """torch's default collate cannot stack bits8 (it raises a TypeError making the shared
+    storage); a slot must not stack them instead, whatever slot_bytes or fetch. A custom
+    collate's bits8 batch travels as torch's does."""
+    expected = each_next(TorchDataLoader(D.BitsMap(6), batch_size=3, **W2))
+    assert expected[0][0] is TypeError
+    for kw in (dict(), dict(slot_bytes=1 << 16)):
+        D.assert_same(expected, each_next(ShmDataLoader(D.BitsMap(6), batch_size=3, **W2, **kw)))
+    with pytest.raises(TypeError, match=re.escape(expected[0][1])):
+        list(ShmDataLoader(D.BitsMap(6), batch_size=3, fetch="sample", **W2))
+    custom = dict(batch_size=3, collate_fn=D.bits_collate, **W2)
+    expected = [b.view(torch.uint8) for b in TorchDataLoader(D.BitsMap(6), **custom)]
+    got = [b.view(torch.uint8) for b in ShmDataLoader(D.BitsMap(6), slot_bytes=1 << 16, **custom)]
+    D.assert_same(expected, got)
+
+
 # --------------------------------------------------------------------------- shm-only knobs
 class _Point:
     def __init__(self, x):
