@@ -49,6 +49,7 @@ are added once the ring exists; until then they are kept here.
 from __future__ import annotations
 
 import collections
+import copy
 import errno
 import os
 import random
@@ -58,7 +59,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from multiprocessing.reduction import recvfds
+from multiprocessing.reduction import ForkingPickler, recvfds
 from typing import Any, Callable
 
 import numpy as np
@@ -427,8 +428,35 @@ def _run(cfg: WorkerConfig) -> None:
         if isinstance(reply, bytes):
             cfg.results.send_bytes(reply)
         elif reply is not None:
-            cfg.results.send(reply)
+            send(cfg.results, reply)
         del reply
+
+
+def send(results, reply: tuple) -> None:
+    """results.send(reply), where an error in the reply whose exception class
+    cannot be pickled (one made at run time, as boto3 makes its clients'
+    errors) goes as a RuntimeError carrying that error's traceback: sending it
+    as it is would kill the worker (torch's feeder thread drops it and the
+    loader waits for its timeout)."""
+    try:
+        results.send(reply)  # pickled whole before a byte is written
+    except Exception:
+        if not any(isinstance(part, ExceptionWrapper) for part in reply):
+            raise
+        results.send(tuple(_picklable(part) if isinstance(part, ExceptionWrapper) else part
+                           for part in reply))
+
+
+def _picklable(wrapper: ExceptionWrapper) -> ExceptionWrapper:
+    try:
+        ForkingPickler.dumps(wrapper.exc_type)
+        return wrapper
+    except Exception as e:
+        substitute = copy.copy(wrapper)
+        substitute.exc_type = RuntimeError
+        substitute.where = (f"{wrapper.where}, as a RuntimeError: its "
+                            f"{wrapper.exc_type.__qualname__} could not be pickled ({e})")
+        return substitute
 
 
 class _Counted:
@@ -561,7 +589,7 @@ class _Work:
             fetched[row] = sample
             self.busy.add(self.slots, 1, 0, 0)
             if row == 0:
-                cfg.results.send(self._describe(task_id, sample, capacity))
+                send(cfg.results, self._describe(task_id, sample, capacity))
         return None
 
     def _describe(self, task_id, sample, capacity):
@@ -614,11 +642,11 @@ class _Work:
                     self.layout.write_row(memory, storage, row, sample)
                 except _Reraised as e:
                     failed = True
-                    self.cfg.results.send(("row_error", task_id, row, e.wrapper))
+                    send(self.cfg.results, ("row_error", task_id, row, e.wrapper))
                 except Exception:
                     failed = True
-                    self.cfg.results.send(
-                        ("row_error", task_id, row, ExceptionWrapper(where=self.where)))
+                    send(self.cfg.results,
+                         ("row_error", task_id, row, ExceptionWrapper(where=self.where)))
                 self.busy.add(self.slots, 0 if row in fetched else 1, 0,
                               0 if failed else self.layout.sample_bytes)
             ring.row_done(slot, failed)

@@ -259,6 +259,16 @@ def bits_collate(batch):
     return torch.stack([s.view(torch.uint8) for s in batch]).view(torch.bits8)
 
 
+class RuntimeClassErrorMap(IndexMap):
+    """Item 7 raises an exception of a class made at run time (as boto3 makes its clients'
+    errors): it cannot be pickled by name."""
+
+    def __getitem__(self, i):
+        if i == 7:
+            raise type("NoSuchKey", (Exception,), {})(f"s3://bucket/{i} is missing")
+        return super().__getitem__(i)
+
+
 _WEIGHT = torch.ones(3, requires_grad=True)
 
 

@@ -1091,6 +1091,22 @@ def test_bit_dtypes_fail_default_collate_as_torch_and_pass_a_custom_one():
     D.assert_same(expected, got)
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(slot_bytes=1 << 16), dict(fetch="sample")],
+                         ids=["ring-sized-by-batches", "ring-at-start", "sample"])
+def test_an_error_whose_class_cannot_be_pickled_is_raised_with_its_traceback(kw):
+    """torch's worker cannot send such an error (its feeder thread prints it; the loader
+    waits for its timeout). It must not kill the worker either: it comes as a RuntimeError
+    carrying the original type, message and traceback, and the other batches come."""
+    outcomes = each_next(ShmDataLoader(D.RuntimeClassErrorMap(12), batch_size=2, timeout=60,
+                                       **W2, **kw), epochs=2)
+    expected = each_next(TorchDataLoader(D.IndexMap(12), batch_size=2, **W2), epochs=2)
+    for epoch in (0, 6):
+        error_type, last_line = outcomes[epoch + 3]
+        assert error_type is RuntimeError and last_line.endswith("NoSuchKey: s3://bucket/7 is missing")
+        outcomes[epoch + 3] = expected[epoch + 3]
+    D.assert_same(expected, outcomes)
+
+
 # --------------------------------------------------------------------------- shm-only knobs
 class _Point:
     def __init__(self, x):
