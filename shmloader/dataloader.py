@@ -237,6 +237,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._check_options()
         self._warn_if_ring_too_small()
 
+    def _options(self) -> tuple:
+        """shmloader's options as an iterator is made with them."""
+        return (self.slot_bytes, self.num_slots, self.fetch, self.assignment,
+                self.seed_per_sample, self.prefetch_next_epoch, self.device)
+
     def _check_options(self) -> None:
         """shmloader's options, at construction and again at each iter():
         they, and torch's attributes they depend on (collate_fn, say), may be
@@ -309,19 +314,23 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._epochs_started = state["epoch"]
 
     def _get_iterator(self):
-        self._check_options()
         if self.num_workers == 0:
             return SingleProcessIter(self)
         self.check_worker_number_rationality()
         return ShmLoaderIter(self)
 
     def __iter__(self):
-        # A persistent iterator whose workers failed (a worker died), or that
-        # a forked child inherited (its workers are the parent's), starts
-        # over with fresh workers instead of being reset.
+        # A persistent iterator whose workers failed (a worker died), that a
+        # forked child inherited (its workers are the parent's), or made with
+        # options since changed (its workers and ring were made with them)
+        # starts over with fresh workers instead of being reset.
         # (A subclass's _get_iterator may return another kind of iterator.)
+        self._check_options()
         if isinstance(self._iterator, ShmLoaderIter) and (
-                self._iterator._shutdown or self._iterator._owner_pid != os.getpid()):
+                self._iterator._shutdown or self._iterator._owner_pid != os.getpid()
+                or self._iterator.made_with != self._options()):
+            if not self._iterator._shutdown and self._iterator._owner_pid == os.getpid():
+                self._iterator._shutdown_workers()
             prefetched = self._iterator._prefetched
             if prefetched is not None:  # its next epoch, numbered already, is drawn anew
                 self._epochs_started = prefetched.epoch

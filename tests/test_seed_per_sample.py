@@ -94,6 +94,25 @@ def test_persistent_workers_same_across_workers_and_epochs_differ():
             f"epochs {a} and {b} drew the same augmentations")
 
 
+@pytest.mark.parametrize("turned_on", [True, False], ids=["turned-on", "turned-off"])
+def test_changed_between_epochs_of_persistent_workers_applies(turned_on):
+    """seed_per_sample set between epochs of a persistent loader: its workers were made
+    without (or with) it, so the loader starts them afresh, as a new iterator, which draws
+    its base seed as a non-persistent loader's second iterator does. (Seeded batches are
+    the same for 2 workers as for 3.)"""
+    seed_all(SEED)
+    loader = ShmDataLoader(D.AugmentMap(N), batch_size=BS, shuffle=True, num_workers=2,
+                           generator=torch.Generator().manual_seed(7), persistent_workers=True,
+                           seed_per_sample=not turned_on)
+    first = list(loader)
+    loader.seed_per_sample = turned_on
+    second = list(loader)
+    expected = augmented(num_workers=3 if turned_on else 2, seed_per_sample=turned_on)
+    assert same(second, expected[1])
+    unchanged = augmented(num_workers=2, persistent=True, seed_per_sample=not turned_on)
+    assert same(first, unchanged[0]) and not same(random_part(second), random_part(unchanged[1]))
+
+
 def test_epochs_differ_without_persistent_workers(reference):
     assert not same(random_part(reference[0]), random_part(reference[1]))
 

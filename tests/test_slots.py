@@ -4,6 +4,7 @@ cannot live in a slot fall back, and bad sizes are clear errors."""
 import collections
 import gc
 import inspect
+import os
 import warnings
 import weakref
 
@@ -456,6 +457,24 @@ def test_options_set_after_construction_apply_at_iter():
     got = list(loader)
     assert [torch.equal(a, b) for a, b in zip(got, _expected(16, 4))] == [True] * 4
     assert (loader.stats().ring_slots, loader.stats().slot_bytes >= SLOT) == (9, True)
+
+
+def test_options_set_between_epochs_of_persistent_workers_apply_at_iter():
+    """A persistent loader's options are read and checked at each iter() too: a bad one is
+    refused, and a changed ring size starts its workers and ring afresh."""
+    loader = DataLoader(Images(16), batch_size=4, num_workers=2, persistent_workers=True,
+                        slot_bytes=SLOT, num_slots=9)
+    assert [torch.equal(a, b) for a, b in zip(list(loader), _expected(16, 4))] == [True] * 4
+    first_pids = set(loader._iterator._pool.pids)
+    loader.fetch = "rows"
+    with pytest.raises(ValueError, match="fetch should be 'batch' or 'sample'"):
+        iter(loader)
+    loader.fetch, loader.num_slots = "sample", 7
+    got = list(loader)
+    assert [torch.equal(a, b) for a, b in zip(got, _expected(16, 4))] == [True] * 4
+    assert loader.stats().ring_slots == 7
+    assert first_pids.isdisjoint(loader._iterator._pool.pids)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in first_pids)  # ended and reaped
 
 
 def test_numpy_integers_are_accepted_as_slot_sizes_and_counts():
