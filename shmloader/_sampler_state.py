@@ -12,14 +12,17 @@ the prefetch.
 At the next iter() the prefetched epoch is adopted only if the samplers and
 generators are what that epoch assumed: generators untouched since, samplers
 set to epoch e + 1 (by the user, as DDP code does before each epoch), every
-other attribute unchanged (lists, tensors and arrays by content, since they
-may be changed in place; a sampler that is a plain list likewise).  Then the generators take their private states,
+other attribute unchanged (by content, followed into the containers and
+objects it holds, since they may be changed in place: see _Snapshot; a
+sampler that is a plain list likewise).  Then the generators take their private states,
 as if the draws had happened now.  Otherwise the prefetched batches are
 dropped and the epoch is drawn afresh, from whatever the user set.  Anything
 else a sampler draws from (torch's global RNG, when there is no generator)
 is not private: see the README.
 """
 from __future__ import annotations
+
+import types
 
 import numpy as np
 import torch
@@ -37,14 +40,14 @@ def loader_samplers(loader):
         obj = todo.pop(0)
         if obj is not None and all(obj is not s for s in seen):
             seen.append(obj)
-            todo += [v for v in getattr(obj, "__dict__", {}).values() if isinstance(v, Sampler)]
+            todo += [v for _, v in _attributes(obj) if isinstance(v, Sampler)]
     return seen
 
 
 def _generators(loader):
     found = [loader.generator] if loader.generator is not None else []
     for sampler in loader_samplers(loader):
-        for value in getattr(sampler, "__dict__", {}).values():
+        for _, value in _attributes(sampler):
             if isinstance(value, torch.Generator) and all(value is not g for g in found):
                 found.append(value)
     return found
@@ -64,39 +67,81 @@ def sampler_generators(loader):
     return [g for g in _generators(loader) if g is not loader.generator]
 
 
-def _value(value, dataset):
-    if isinstance(value, _PRIMITIVES):
-        return value
-    if isinstance(value, torch.Generator):
-        return bytes(value.get_state().numpy())
-    if value is dataset:  # a sampler's data_source: the data, not how it is drawn
-        return "dataset"
-    # Indices and weights a user may change in place (a list sampler
-    # reshuffled before each epoch, SubsetRandomSampler's indices): by content.
-    try:
+# How far a snapshot looks into the samplers' attributes: containers and
+# objects are followed this deep, and up to this many of them in all (the
+# rest are compared by identity; see the README's Limits).
+_DEPTH = 8
+_NODES = 10_000
+# Objects whose attributes are not the sampler's state.
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+           types.MethodType)
+_MISSING = object()
+
+
+class _Snapshot:
+    """What a loader's generator and samplers are now, comparable with what
+    they were: a sampler's state may sit in its attributes, in containers or
+    helper objects they hold, changed in place (a list of buckets reshuffled,
+    a dict of settings), or in __slots__."""
+
+    def __init__(self, dataset):
+        self._dataset = dataset
+        self._nodes = 0
+
+    def of(self, value, depth: int = 0):
+        if isinstance(value, _PRIMITIVES):
+            return value
+        if isinstance(value, torch.Generator):
+            return bytes(value.get_state().numpy())
+        if value is self._dataset:  # a sampler's data_source: the data, not how it is drawn
+            return "dataset"
+        if isinstance(value, np.generic):
+            return ("numpy", value.dtype.str, value.tobytes())
+        self._nodes += 1
+        if depth >= _DEPTH or self._nodes > _NODES or isinstance(value, _OPAQUE):
+            return ("object", id(value))
+        try:
+            return self._content(value, depth + 1)
+        except Exception:  # noqa: BLE001 - a tensor with no plain bytes (sparse, meta, ...)
+            return ("object", id(value))
+
+    def _content(self, value, depth):
         if isinstance(value, (list, tuple)):
-            return (type(value), tuple(value))
+            if value and isinstance(value[0], _PRIMITIVES):  # indices: copied at C speed
+                return (type(value), tuple(value))
+            return (type(value), tuple(self.of(v, depth) for v in value))
+        if isinstance(value, dict):
+            return (type(value), tuple((k, self.of(v, depth)) for k, v in value.items()))
+        if isinstance(value, (set, frozenset)):
+            return (type(value), frozenset(self.of(v, depth) for v in value))
         if isinstance(value, torch.Tensor):
             data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
             return ("tensor", value.dtype, tuple(value.shape),
                     bytes(data.reshape(-1).view(torch.uint8).numpy()))
         if isinstance(value, np.ndarray):
             return ("ndarray", value.dtype.str, value.shape, value.tobytes())
-    except Exception:  # noqa: BLE001 - a tensor with no plain bytes (sparse, meta, ...)
-        pass
-    return ("object", id(value))
+        # An object: by identity (another one assigned) and by its attributes.
+        attrs = [(k, self.of(v, depth)) for k, v in _attributes(value)]
+        return (type(value), id(value), tuple(attrs))
+
+
+def _attributes(obj):
+    """An object's attributes: its __dict__'s and its __slots__' that are set."""
+    pairs = list(getattr(obj, "__dict__", {}).items())
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__"):
+                value = getattr(obj, name, _MISSING)
+                if value is not _MISSING:
+                    pairs.append((name, value))
+    return pairs
 
 
 def _capture(loader):
-    dataset = loader.dataset
-    snapshot = [_value(loader.generator, dataset)]
-    for sampler in loader_samplers(loader):
-        if hasattr(sampler, "__dict__"):
-            attrs = sorted((k, _value(v, dataset)) for k, v in vars(sampler).items())
-            snapshot.append((type(sampler), attrs))
-        else:  # a plain iterable of indices (torch takes any as sampler)
-            snapshot.append(_value(sampler, dataset))
-    return snapshot
+    snapshot = _Snapshot(loader.dataset)
+    return [snapshot.of(loader.generator),
+            *(snapshot.of(sampler) for sampler in loader_samplers(loader))]
 
 
 def _same(a, b) -> bool:

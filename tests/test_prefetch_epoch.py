@@ -233,6 +233,68 @@ def test_weights_changed_in_place_discard_prefetch():
     assert stats.prefetched_epochs == 0
 
 
+class _BucketSampler(tud.Sampler):
+    """Buckets of indices (a list of lists), in order; the user reshuffles each bucket in
+    place before every epoch."""
+
+    def __init__(self, n):
+        self.buckets = [list(range(start, min(start + 8, n))) for start in range(0, n, 8)]
+
+    def __len__(self):
+        return sum(map(len, self.buckets))
+
+    def __iter__(self):
+        return (i for bucket in self.buckets for i in bucket)
+
+
+class _Curriculum(tud.Sampler):
+    """Its length comes from a dict of settings that the user edits between epochs."""
+
+    def __init__(self, n):
+        self.settings = {"schedule": {"up_to": n // 2}}
+
+    def __len__(self):
+        return self.settings["schedule"]["up_to"]
+
+    def __iter__(self):
+        return iter(range(self.settings["schedule"]["up_to"]))
+
+
+class _SlotsSampler(tud.Sampler):
+    """A sampler with __slots__ (no __dict__) and set_epoch, which the user never calls."""
+    __slots__ = ("n", "epoch")
+
+    def __init__(self, n):
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist())
+
+
+def test_state_changed_in_nested_containers_or_slots_discards_prefetch():
+    """A sampler's state may sit in a list of lists, a dict of dicts, or __slots__: changed
+    in place (or, for an epoch in __slots__, left as it was) it is seen, and every epoch is
+    torch's."""
+    def reshuffle(e, g, s):
+        for bucket in s.buckets:
+            random.Random(e).shuffle(bucket)
+
+    def lengthen(e, g, s):
+        s.settings["schedule"]["up_to"] += 4 * e
+
+    assert check(sampler=P(_BucketSampler, N), on_epoch=reshuffle).prefetched_epochs == 0
+    assert check(sampler=P(_Curriculum, N), on_epoch=lengthen).prefetched_epochs == 0
+    assert check(sampler=P(_SlotsSampler, N)).prefetched_epochs == 0
+    assert check(sampler=P(_SlotsSampler, N),
+                 on_epoch=lambda e, g, s: s.set_epoch(e)).prefetched_epochs == 2
+
+
 class _EpochUnderAnotherName(tud.Sampler):
     """A sampler with set_epoch() that keeps its epoch as `_epoch`, not `epoch`."""
 
