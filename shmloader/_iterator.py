@@ -102,7 +102,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._epoch_base = 0  # task id of this epoch's first task
         self._send_idx = 0
         self._arrivals = deque()
-        self._row_errors = {}  # fetch="sample": task id -> {row: ExceptionWrapper}
+        self._row_errors = {}  # fetch="sample": task id -> {row: (ExceptionWrapper, collating)}
         self._slot_bytes = loader.slot_bytes
         self._sized_by_user = loader.num_slots is not None
         # No room in /dev/shm for a ring this epoch: torch's transport for all.
@@ -666,8 +666,9 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
 
     def _with_row_errors(self, arrival, more):
         """A fetch="sample" slot with failed rows becomes the error of its
-        first failed row.  Each row's error was sent before that row counted
-        as done, so all of them are in the pipes by now."""
+        first failed row, a failed fetch before a failed write (torch fetches
+        every sample before it collates).  Each row's error was sent before
+        that row counted as done, so all of them are in the pipes by now."""
         task_id, payload = arrival
         errors = self._row_errors.setdefault(task_id, {})
         while len(errors) < payload.failed_rows:
@@ -679,7 +680,8 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
                     more.append(other)
         del self._row_errors[task_id]
         payload.release()
-        return task_id, ("error", task_id, errors[min(errors)])
+        first = min(errors, key=lambda row: (errors[row][1], row))
+        return task_id, ("error", task_id, errors[first][0])
 
     def _acquire_all(self):
         leases = []
@@ -695,7 +697,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         if kind == "resumed":
             return None, msg
         if kind == "row_error":
-            self._row_errors.setdefault(msg[1], {})[msg[2]] = msg[3]
+            self._row_errors.setdefault(msg[1], {})[msg[2]] = msg[3:5]
             return None
         if kind == "batch" and msg[2] == "no_ring" and self._handover.learned_slot_bytes is None:
             # The first batch sizes the ring, with headroom for batches that

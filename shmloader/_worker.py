@@ -34,7 +34,10 @@ Protocol (main -> worker, over the worker's task socket):
 Worker -> main, over the worker's result pipe:
     ("batch", task_id, reason, data, slot_bytes_needed or 0, samples, state or None)
     ("error", task_id, ExceptionWrapper[, worker state after it (see _resume)])
-    ("row_error", task_id, row, ExceptionWrapper)   sent before the row is counted done
+    ("row_error", task_id, row, ExceptionWrapper, collating)
+                                                  sent before the row is counted done;
+                                                  collating: it failed writing the row
+                                                  (the layout), not fetching the sample
     ("layout", task_id, SampleLayout)
     ("stop", task_id, state or None) an IterableDataset ran out
     ("resumed", worker_id, RNG states or None)
@@ -629,7 +632,7 @@ class _Work:
             else {}
         self.probed = None
         for row in self._my_rows(task_id, slot, len(index), position, first_row, fetched):
-            failed = False
+            failed = collating = False
             if not stale:
                 self.busy.start()
                 try:
@@ -639,14 +642,15 @@ class _Work:
                         self.samples.get(index[row], epoch, position + row)
                     if isinstance(sample, ExceptionWrapper):
                         raise _Reraised(sample)
+                    collating = True
                     self.layout.write_row(memory, storage, row, sample)
                 except _Reraised as e:
                     failed = True
-                    send(self.cfg.results, ("row_error", task_id, row, e.wrapper))
+                    send(self.cfg.results, ("row_error", task_id, row, e.wrapper, False))
                 except Exception:
                     failed = True
-                    send(self.cfg.results,
-                         ("row_error", task_id, row, ExceptionWrapper(where=self.where)))
+                    send(self.cfg.results, ("row_error", task_id, row,
+                                            ExceptionWrapper(where=self.where), collating))
                 self.busy.add(self.slots, 0 if row in fetched else 1, 0,
                               0 if failed else self.layout.sample_bytes)
             ring.row_done(slot, failed)

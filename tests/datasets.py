@@ -967,17 +967,21 @@ class LazyBitsMap(Dataset):
 class MismatchMap(Dataset):
     """{"image": float32 (3,), "meta": {"label": int, "box": float32 (2,)}}; sample `bad` breaks
     the layout the first sample fixed, by `kind`: "shape" (box of shape (3,)), "dtype" (box as
-    float64), "text" (label as a str), "fields" (an extra key), "ndim" (image of shape (1, 3))."""
+    float64), "text" (label as a str), "fields" (an extra key), "ndim" (image of shape (1, 3)).
+    Sample `raises` raises a KeyError."""
 
-    def __init__(self, n=12, bad=5, kind="shape"):
+    def __init__(self, n=12, bad=5, kind="shape", raises=None):
         self.n = n
         self.bad = bad
         self.kind = kind
+        self.raises = raises
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
+        if i == self.raises:
+            raise KeyError(f"sample {i} is missing")
         image = torch.full((3,), float(i))
         label = i
         box = torch.tensor([i, -i], dtype=torch.float32)

@@ -252,7 +252,7 @@ def _events(cls, make_dataset, *, epochs=2, **kw):
     loader = cls(dataset, sampler=sampler, **kw)
     events = []
     for epoch in range(epochs):
-        if epoch == epochs - 1:
+        if epoch == epochs - 1 > 0:
             sampler.indices = [i for i in range(len(dataset)) if i not in dataset.bad]
         it = iter(loader)
         for _ in range(3 * len(loader) + 2):  # bounded: re-raising forever must not hang
@@ -289,6 +289,21 @@ def test_getitem_error_like_torch(bad, exc, persistent, assignment):
     with deadline(60):
         s = _events(sample_loader(assignment), make, **kw)
     assert any(ev[0] == "exc" for ev in t)
+    D.assert_same(t, s, "events")
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+@pytest.mark.parametrize("bad, raises", [(4, 6), (6, 4)], ids=["mismatch-first", "raise-first"])
+def test_a_samples_error_wins_over_another_rows_layout_mismatch_like_torch(bad, raises,
+                                                                            assignment):
+    """torch fetches every sample of a batch before it collates: a sample that raises is the
+    batch's error even when an earlier row does not fit the layout."""
+    make = P(D.MismatchMap, 12, bad=bad, kind="shape", raises=raises)
+    kw = dict(batch_size=4, num_workers=2)
+    t = _events(TorchDataLoader, make, epochs=1, **kw)
+    with deadline(60):
+        s = _events(sample_loader(assignment), make, epochs=1, **kw)
+    assert [ev[0] for ev in t].count("exc") == 1
     D.assert_same(t, s, "events")
 
 
