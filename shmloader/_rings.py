@@ -63,9 +63,12 @@ def _limit_bytes() -> int | None:
     if not limit:
         return None
     try:
-        return int(limit)
+        limit_bytes = int(limit)
     except ValueError:
-        raise ValueError(f"{LIMIT_ENV} should be a number of bytes, but is {limit!r}") from None
+        limit_bytes = -1
+    if limit_bytes < 0:
+        raise ValueError(f"{LIMIT_ENV} should be a number of bytes (0 or more), but is {limit!r}")
+    return limit_bytes
 
 
 def _slot_pages_bytes(slot_bytes: int) -> int:

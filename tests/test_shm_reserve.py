@@ -204,6 +204,14 @@ def test_a_ring_of_the_users_slot_size_that_cannot_have_one_slot_is_an_error(mon
         iter(DataLoader(Images(8), batch_size=4, num_workers=2, slot_bytes=SLOT))
 
 
+
+@pytest.mark.parametrize("limit", ["-5", "abc", "1e6"])
+def test_a_limit_that_is_not_a_number_of_bytes_is_an_error(monkeypatch, limit):
+    monkeypatch.setenv("SHMLOADER_SHM_LIMIT", limit)
+    with pytest.raises(ValueError, match=f"SHMLOADER_SHM_LIMIT should be a number of bytes.*{limit}"):
+        iter(DataLoader(Images(8), batch_size=4, num_workers=2, slot_bytes=SLOT))
+
+
 SMALL_DEV_SHM_SCRIPT = """
 import sys, warnings
 import torch
