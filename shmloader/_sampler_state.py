@@ -26,7 +26,8 @@ import types
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 _PRIMITIVES = (int, float, str, bool, bytes, type(None))
 
@@ -67,14 +68,23 @@ def sampler_generators(loader):
     return [g for g in _generators(loader) if g is not loader.generator]
 
 
-# How far a snapshot looks into the samplers' attributes: containers and
-# objects are followed this deep, and up to this many of them in all (the
-# rest are compared by identity; see the README's Limits).
+# How far a snapshot looks into the samplers' attributes (see the README's
+# Limits): containers and objects are followed this deep, and up to this many
+# of them in all; a dict or set of more entries, and arrays and tensors past
+# this many bytes in all, are compared by identity.  A list or tuple of
+# numbers or strings (indices) is copied whole, at C speed, its elements'
+# types judged from up to _SAMPLED of them.
 _DEPTH = 8
 _NODES = 10_000
-# Objects whose attributes are not the sampler's state.
+_ENTRIES = 1_000_000
+_BYTES = 64 << 20
+_SAMPLED = 1024
+# Values that cannot change in place (an index, a weight, a name).
+_IMMUTABLE = (*_PRIMITIVES, np.generic)
+# Objects whose attributes are not a sampler's state: code, and the data and
+# the loaders themselves (their counters move with every batch).
 _OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-           types.MethodType)
+           types.MethodType, Dataset, DataLoader, _BaseDataLoaderIter)
 _MISSING = object()
 
 
@@ -87,16 +97,17 @@ class _Snapshot:
     def __init__(self, dataset):
         self._dataset = dataset
         self._nodes = 0
+        self._bytes = 0
 
     def of(self, value, depth: int = 0):
         if isinstance(value, _PRIMITIVES):
             return value
         if isinstance(value, torch.Generator):
             return bytes(value.get_state().numpy())
-        if value is self._dataset:  # a sampler's data_source: the data, not how it is drawn
-            return "dataset"
         if isinstance(value, np.generic):
             return ("numpy", value.dtype.str, value.tobytes())
+        if value is self._dataset:  # a sampler's data_source: the data, not how it is drawn
+            return "dataset"
         self._nodes += 1
         if depth >= _DEPTH or self._nodes > _NODES or isinstance(value, _OPAQUE):
             return ("object", id(value))
@@ -107,22 +118,38 @@ class _Snapshot:
 
     def _content(self, value, depth):
         if isinstance(value, (list, tuple)):
-            if value and isinstance(value[0], _PRIMITIVES):  # indices: copied at C speed
+            if _all_immutable(value):
                 return (type(value), tuple(value))
             return (type(value), tuple(self.of(v, depth) for v in value))
+        if isinstance(value, (dict, set, frozenset)) and len(value) > _ENTRIES:
+            return ("object", id(value))
         if isinstance(value, dict):
+            if _all_immutable(list(value.values())):
+                return (type(value), tuple(value.items()))
             return (type(value), tuple((k, self.of(v, depth)) for k, v in value.items()))
         if isinstance(value, (set, frozenset)):
-            return (type(value), frozenset(self.of(v, depth) for v in value))
-        if isinstance(value, torch.Tensor):
+            # Its elements are hashable, mostly immutable: by equality.
+            return (type(value), frozenset(value))
+        if isinstance(value, (torch.Tensor, np.ndarray)):
+            self._bytes += value.nbytes
+            if self._bytes > _BYTES:
+                return ("object", id(value))
+            if isinstance(value, np.ndarray):
+                return ("ndarray", value.dtype.str, value.shape, value.tobytes())
             data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
             return ("tensor", value.dtype, tuple(value.shape),
                     bytes(data.reshape(-1).view(torch.uint8).numpy()))
-        if isinstance(value, np.ndarray):
-            return ("ndarray", value.dtype.str, value.shape, value.tobytes())
         # An object: by identity (another one assigned) and by its attributes.
         attrs = [(k, self.of(v, depth)) for k, v in _attributes(value)]
         return (type(value), id(value), tuple(attrs))
+
+
+def _all_immutable(values) -> bool:
+    """Whether `values` (a list, tuple or dict's values) hold only values that
+    cannot change in place, judged from up to _SAMPLED of them."""
+    step = max(1, len(values) // _SAMPLED)
+    return all(isinstance(v, _IMMUTABLE) for v in values[::step]) and (
+        not values or isinstance(values[-1], _IMMUTABLE))
 
 
 def _attributes(obj):
@@ -131,6 +158,8 @@ def _attributes(obj):
     for cls in type(obj).__mro__:
         slots = cls.__dict__.get("__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{cls.__name__.lstrip('_')}{name}"  # a private name, mangled
             if name not in ("__dict__", "__weakref__"):
                 value = getattr(obj, name, _MISSING)
                 if value is not _MISSING:

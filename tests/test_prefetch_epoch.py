@@ -295,6 +295,50 @@ def test_state_changed_in_nested_containers_or_slots_discards_prefetch():
                  on_epoch=lambda e, g, s: s.set_epoch(e)).prefetched_epochs == 2
 
 
+class _PlanSampler(tud.Sampler):
+    """Its order sits second in a list that starts with a name, or in a private __slots__
+    name (stored mangled); the user reverses it in place between epochs."""
+    __slots__ = ("plan", "__order")
+
+    def __init__(self, n, private=False):
+        self.plan = ["stage", list(range(n))]
+        self.__order = self.plan[1] if private else list(range(n))
+
+    def reverse(self):
+        self.__order.reverse()
+
+    def __len__(self):
+        return len(self.plan[1])
+
+    def __iter__(self):
+        return iter(list(self.__order))
+
+
+class _LoaderAwareSampler(tud.SequentialSampler):
+    """Holds the loader (whose counters move with every batch): not part of its state."""
+    loader = None
+
+
+def test_state_in_a_list_after_a_name_or_in_a_private_slot_discards_prefetch():
+    reverse_in_list = lambda e, g, s: s.plan[1].reverse()  # noqa: E731 - the order is there
+    assert check(sampler=P(_PlanSampler, N, private=True), on_epoch=reverse_in_list,
+                 ).prefetched_epochs == 0
+    assert check(sampler=P(_PlanSampler, N), on_epoch=lambda e, g, s: s.reverse(),
+                 ).prefetched_epochs == 0
+
+
+def test_a_sampler_holding_its_loader_is_still_prefetched():
+    loaders = []
+    sampler = _LoaderAwareSampler(range(N))
+    for cls in (TorchDataLoader, prefetching()):
+        loaders.append(cls(D.IndexMap(N), batch_size=BS, sampler=sampler, num_workers=2,
+                           persistent_workers=True))
+        sampler.loader = loaders[-1]
+        epochs = [[b[0].tolist() for b in loaders[-1]] for _ in range(3)]
+        assert epochs == [[list(range(k, k + BS)) for k in range(0, N, BS)]] * 3
+    assert loaders[-1].stats().prefetched_epochs == 2
+
+
 class _EpochUnderAnotherName(tud.Sampler):
     """A sampler with set_epoch() that keeps its epoch as `_epoch`, not `epoch`."""
 
