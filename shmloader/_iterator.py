@@ -354,8 +354,11 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             resume.restore_sampler(loader)
         self._epoch = loader._next_epoch()  # numbers epochs for seed_per_sample
         # Before super()._reset, which runs iter() on the sampler.
+        # (A persistent iterator's first epoch has fresh workers too: it may
+        # follow one whose workers died or whose options changed.)
         self._progress.epoch_begins(loader, self._epoch, self._base_seed, self._num_workers,
-                                    sampler_state(loader))
+                                    sampler_state(loader),
+                                    fresh_workers=first_iter or not self._persistent_workers)
         if started_from is not None:
             self._progress.workers_start_from(
                 [started_from.worker_state(i) for i in range(self._num_workers)])
@@ -444,7 +447,8 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._epoch = loader._next_epoch()
         self._next_epoch_start = Progress()
         self._next_epoch_start.epoch_begins(loader, self._epoch, self._base_seed,
-                                            self._num_workers, sampler_state(loader))
+                                            self._num_workers, sampler_state(loader),
+                                            fresh_workers=False)
         self._progress.next_start = self._next_epoch_start
         self._prefetched = PrefetchedEpoch(weakref.proxy(loader), self._epoch)
         with contextlib.suppress(StopIteration):  # failed: the next draws stop at once

@@ -164,7 +164,9 @@ class Progress:
     ran_out_states: dict = dataclasses.field(default_factory=dict)
 
     def epoch_begins(self, loader, epoch: int, base_seed: int | None, num_workers: int,
-                     sampler_state, sampler_started: bool = True) -> None:
+                     sampler_state, *, fresh_workers: bool, sampler_started: bool = True) -> None:
+        """An epoch begins; fresh_workers: its workers were started for it
+        (seeded afresh from base_seed), not kept from the last epoch."""
         self.epoch, self.started, self.finished = epoch, True, False
         self.sampler_started = sampler_started
         self.yielded, self.yielded_beyond = 0, set()
@@ -178,9 +180,7 @@ class Progress:
         self.sampler_state = sampler_state
         self.next_start = None
         self.ran_out_states = {}
-        # Workers started for this epoch alone are seeded afresh from its base
-        # seed: the previous epoch's workers' states are not theirs.
-        fresh_workers = base_seed is not None and not loader.persistent_workers
+        # The previous epoch's workers' states are not fresh workers'.
         if len(self.worker_states) != num_workers or fresh_workers:
             self.worker_states = [None] * num_workers
         else:

@@ -36,7 +36,7 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
             resume.settle_base_seed(loader, self._base_seed, False, rng_before)
         self._progress = loader._progress
         self._progress.epoch_begins(loader, loader._next_epoch(), None, 1, epoch_sampler_state,
-                                    sampler_started=False)
+                                    fresh_workers=False, sampler_started=False)
         self._device_stage = DeviceStage(loader.device) if loader.device is not None else None
         self._next_idx = 0  # epoch index of the next batch
         self._replay = 0

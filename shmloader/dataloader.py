@@ -238,9 +238,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._warn_if_ring_too_small()
 
     def _options(self) -> tuple:
-        """shmloader's options as an iterator is made with them."""
-        return (self.slot_bytes, self.num_slots, self.fetch, self.assignment,
-                self.seed_per_sample, self.prefetch_next_epoch, self.device)
+        """shmloader's options as an iterator is made with them, each in one
+        form (None and the value it stands for alike)."""
+        assignment = (self.assignment or "interleaved") if self.fetch == "sample" else None
+        device = None if self.device is not None and self.device.type == "cpu" else self.device
+        return (self.slot_bytes, self.num_slots, self.fetch, assignment,
+                self.seed_per_sample, self.prefetch_next_epoch, device)
 
     def _check_options(self) -> None:
         """shmloader's options, at construction and again at each iter():

@@ -722,6 +722,34 @@ def test_resume_of_a_resume_at_an_epochs_end_with_persistent_workers(k):
     third.load_state_dict(mid_epoch)
     assert [got + [b.tolist() for b in third], [b.tolist() for b in third]] == expected[1:]
 
+@pytest.mark.parametrize("restart", ["num_slots", "worker_died"])
+def test_resume_after_a_persistent_iterator_started_afresh(restart):
+    """A persistent loader whose iterator started afresh (an option changed, or a worker
+    died) has fresh workers, seeded from a new base seed: a state taken in its epoch must
+    not carry the old workers' RNG states, or the resumed augmentations differ."""
+    import shmloader
+
+    def make(**kw):
+        return shmloader.DataLoader(_Augmented(), batch_size=2, shuffle=True, num_workers=2,
+                                    persistent_workers=True,
+                                    generator=torch.Generator().manual_seed(0), **kw)
+
+    loader = make()
+    list(loader)
+    if restart == "num_slots":
+        loader.num_slots = 9
+    else:
+        loader._iterator._shutdown_workers()  # as when a worker died
+    it = iter(loader)
+    next(it)
+    state = roundtrip(loader.state_dict())
+    rest = [[b.tolist() for b in it], [b.tolist() for b in loader]]
+    del it, loader
+    resumed = make(**({"num_slots": 9} if restart == "num_slots" else {}))
+    resumed.load_state_dict(state)
+    assert [[b.tolist() for b in resumed], [b.tolist() for b in resumed]] == rest
+
+
 def test_a_workers_overtaken_batch_leaves_its_later_state():
     """in_order=False may yield a worker's batch after its later one (a slot overtaking a
     pipe message): the state kept is the one after the later batch, or a resume fetches

@@ -477,6 +477,18 @@ def test_options_set_between_epochs_of_persistent_workers_apply_at_iter():
     assert not any(os.path.exists(f"/proc/{pid}") for pid in first_pids)  # ended and reaped
 
 
+def test_options_set_to_the_values_they_had_keep_the_persistent_workers():
+    """device="cpu" is device=None's CPU batches, and assignment="interleaved" is
+    fetch="sample"'s default: setting them changes nothing, so the workers go on."""
+    loader = DataLoader(Images(16), batch_size=4, num_workers=2, persistent_workers=True,
+                        fetch="sample")
+    list(loader)
+    pids = loader._iterator._pool.pids
+    loader.device, loader.assignment = "cpu", "interleaved"
+    assert [torch.equal(a, b) for a, b in zip(list(loader), _expected(16, 4))] == [True] * 4
+    assert loader._iterator._pool.pids == pids
+
+
 def test_numpy_integers_are_accepted_as_slot_sizes_and_counts():
     """numpy's integers pass as torch's own integer arguments do (num_workers), become
     Python ints, and numpy's bools are refused as Python's are."""
