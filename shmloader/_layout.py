@@ -48,7 +48,6 @@ NUMPY_OWNS_UP_TO = 1000
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 
 
-
 def _has_no_typed_storage(dtype) -> bool:
     try:
         torch._utils._element_size(dtype)
@@ -57,17 +56,18 @@ def _has_no_typed_storage(dtype) -> bool:
     return False
 
 
-# Bit and sub-byte dtypes (bits8, uint4, ...): torch's default collate cannot
-# make the shared storage to stack them into (it raises a TypeError), so they
-# take torch's own paths, failing or working as torch's do.
-_NO_TYPED_STORAGE = frozenset(
+# Dtypes a slot never holds, so that they take torch's own paths, failing or
+# working as torch's do: bit and sub-byte dtypes (bits8, uint4, ...), whose
+# shared storage torch's default collate cannot make (a TypeError), and the
+# quantized ones, even over plain bytes (t.view(torch.quint8)).
+_NOT_IN_SLOTS = _QUANTIZED | frozenset(
     dtype for dtype in vars(torch).values()
     if isinstance(dtype, torch.dtype) and _has_no_typed_storage(dtype))
 
 
 def is_slot_tensor(obj) -> bool:
     """A tensor whose bytes can live in a slot: plain, dense, strided, CPU,
-    of a dtype torch's collate can stack."""
+    of a plain dtype torch's collate can stack."""
     return (
         type(obj) is torch.Tensor
         and obj.layout == torch.strided
@@ -75,7 +75,7 @@ def is_slot_tensor(obj) -> bool:
         and not obj.is_nested
         and not obj.is_quantized
         and not obj.is_meta
-        and obj.dtype not in _NO_TYPED_STORAGE
+        and obj.dtype not in _NOT_IN_SLOTS
     )
 
 

@@ -248,15 +248,21 @@ def reduction_counting_collate(batch):
 
 
 class BitsMap(IndexMap):
-    """Samples of a dtype torch's default collate cannot stack (bits8: no typed storage)."""
+    """Samples of a dtype torch's default collate cannot stack: bytes viewed as `dtype`
+    (bits8: no typed storage; quint8: quantized, without a quantizer)."""
+
+    def __init__(self, n=20, dtype=torch.bits8):
+        super().__init__(n)
+        self.dtype = dtype
 
     def __getitem__(self, i):
-        return torch.full((4,), i, dtype=torch.uint8).view(torch.bits8)
+        return torch.full((4,), i, dtype=torch.uint8).view(self.dtype)
 
 
 def bits_collate(batch):
-    """Stacks BitsMap samples as bytes: a bits8 batch torch's transport carries."""
-    return torch.stack([s.view(torch.uint8) for s in batch]).view(torch.bits8)
+    """Stacks BitsMap samples as bytes: a batch of their dtype that torch's transport
+    carries."""
+    return torch.stack([s.view(torch.uint8) for s in batch]).view(batch[0].dtype)
 
 
 class RuntimeClassErrorMap(IndexMap):
