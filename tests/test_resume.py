@@ -759,7 +759,7 @@ def test_a_workers_overtaken_batch_leaves_its_later_state():
 
     loader = shmloader.DataLoader(_RandomStream(), batch_size=2, num_workers=2, in_order=False)
     progress = Progress()
-    progress.epoch_begins(loader, 0, None, 2, None)
+    progress.epoch_begins(loader, 0, None, 2, None, fresh_workers=True)
     progress.batch_yielded(0, 0, b"after task 1", number=1)
     progress.batch_yielded(1, 0, b"after task 0", number=0)
     progress.batch_yielded(2, 1, b"worker 1 after task 0", number=0)
