@@ -36,7 +36,7 @@ from array import array
 import numpy as np
 import torch
 
-from ._sampler_state import loader_samplers, sampler_generators
+from ._sampler_state import attribute, loader_samplers, sampler_generators
 
 # 2: the config names the sampler and batch sampler; 3: batches yielded per worker;
 # 4: the states of the generators samplers hold
@@ -289,8 +289,8 @@ def _stateful_sampler(loader):
     outermost one (a stateful batch sampler answers for the sampler it holds),
     or one inside a plain BatchSampler."""
     for sampler in [loader.batch_sampler, loader.sampler] + loader_samplers(loader):
-        if callable(getattr(sampler, "state_dict", None)) and \
-                callable(getattr(sampler, "load_state_dict", None)):
+        if callable(attribute(sampler, "state_dict")) and \
+                callable(attribute(sampler, "load_state_dict")):
             return sampler
     return None
 
@@ -442,7 +442,7 @@ class Resume:
         self.yielded_by_worker = state["batches_yielded_by_worker"]
         # An IterableDataset that cannot say where it was is replayed.
         self.replay = loader._dataset_kind == 1 and \
-            not callable(getattr(loader.dataset, "load_state_dict", None))
+            not callable(attribute(loader.dataset, "load_state_dict"))
         if self.finished:
             # The next iterator starts from these (a non-persistent one draws
             # its base seed from the generator first).

@@ -22,6 +22,9 @@ is not private: see the README.
 """
 from __future__ import annotations
 
+import array
+import collections
+import random
 import types
 
 import numpy as np
@@ -30,6 +33,15 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 _PRIMITIVES = (int, float, str, bool, bytes, type(None))
+
+
+def attribute(obj, name):
+    """obj.name, or None where it has none: a __getattr__ may raise anything
+    for a name it does not know (a KeyError, from a dict it reads)."""
+    try:
+        return getattr(obj, name)
+    except Exception:  # noqa: BLE001 - see above
+        return None
 
 
 def loader_samplers(loader):
@@ -58,8 +70,8 @@ def can_prefetch(loader) -> bool:
     """Whether the next epoch can be drawn invisibly: a sampler with set_epoch
     must keep its epoch in an int `epoch` attribute, to be set back after
     each draw."""
-    return all(type(getattr(sampler, "epoch", None)) is int for sampler in loader_samplers(loader)
-               if callable(getattr(sampler, "set_epoch", None)))
+    return all(type(attribute(sampler, "epoch")) is int for sampler in loader_samplers(loader)
+               if callable(attribute(sampler, "set_epoch")))
 
 
 def sampler_generators(loader):
@@ -85,7 +97,6 @@ _IMMUTABLE = (*_PRIMITIVES, np.generic)
 # the loaders themselves (their counters move with every batch).
 _OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
            types.MethodType, Dataset, DataLoader, _BaseDataLoaderIter)
-_MISSING = object()
 
 
 class _Snapshot:
@@ -117,19 +128,24 @@ class _Snapshot:
             return ("object", id(value))
 
     def _content(self, value, depth):
-        if isinstance(value, (list, tuple)):
-            if _all_immutable(value):
-                return (type(value), tuple(value))
-            return (type(value), tuple(self.of(v, depth) for v in value))
+        if isinstance(value, (list, tuple, collections.deque)):
+            items = value if isinstance(value, (list, tuple)) else list(value)
+            if _all_immutable(items):
+                return (type(value), tuple(items))
+            return (type(value), self._each(items, depth, value))
         if isinstance(value, (dict, set, frozenset)) and len(value) > _ENTRIES:
             return ("object", id(value))
         if isinstance(value, dict):
             if _all_immutable(list(value.values())):
                 return (type(value), tuple(value.items()))
-            return (type(value), tuple((k, self.of(v, depth)) for k, v in value.items()))
+            return (type(value), tuple(value), self._each(list(value.values()), depth, value))
         if isinstance(value, (set, frozenset)):
             # Its elements are hashable, mostly immutable: by equality.
             return (type(value), frozenset(value))
+        if isinstance(value, array.array):
+            return ("array", value.typecode, value.tobytes())
+        if isinstance(value, np.ndarray) and value.dtype.hasobject:  # its bytes are pointers
+            return ("ndarray", value.shape, self._each(list(value.ravel()), depth, value))
         if isinstance(value, (torch.Tensor, np.ndarray)):
             self._bytes += value.nbytes
             if self._bytes > _BYTES:
@@ -139,17 +155,35 @@ class _Snapshot:
             data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
             return ("tensor", value.dtype, tuple(value.shape),
                     bytes(data.reshape(-1).view(torch.uint8).numpy()))
+        if isinstance(value, (random.Random, np.random.RandomState)):
+            return (type(value), id(value), self.of(value.getstate() if isinstance(
+                value, random.Random) else value.get_state(), depth))
+        if isinstance(value, np.random.Generator):
+            return (type(value), id(value), self.of(value.bit_generator.state, depth))
         # An object: by identity (another one assigned) and by its attributes.
         attrs = [(k, self.of(v, depth)) for k, v in _attributes(value)]
         return (type(value), id(value), tuple(attrs))
 
+    def _each(self, items, depth, container) -> tuple:
+        """Snapshots of `items` (the container's), each of which may change in
+        place; the container's identity alone where there are more than the
+        nodes left to follow."""
+        if len(items) > _NODES - self._nodes:
+            return ("object", id(container))
+        return tuple(self.of(v, depth) for v in items)
+
 
 def _all_immutable(values) -> bool:
     """Whether `values` (a list, tuple or dict's values) hold only values that
-    cannot change in place, judged from up to _SAMPLED of them."""
+    cannot change in place (numbers, strings, and tuples of them), judged from
+    up to _SAMPLED of them."""
     step = max(1, len(values) // _SAMPLED)
-    return all(isinstance(v, _IMMUTABLE) for v in values[::step]) and (
-        not values or isinstance(values[-1], _IMMUTABLE))
+    return all(_immutable(v) for v in values[::step]) and (not values or _immutable(values[-1]))
+
+
+def _immutable(value) -> bool:
+    return isinstance(value, _IMMUTABLE) or (
+        type(value) is tuple and all(isinstance(v, _IMMUTABLE) for v in value))
 
 
 def _attributes(obj):
@@ -161,9 +195,11 @@ def _attributes(obj):
             if name.startswith("__") and not name.endswith("__"):
                 name = f"_{cls.__name__.lstrip('_')}{name}"  # a private name, mangled
             if name not in ("__dict__", "__weakref__"):
-                value = getattr(obj, name, _MISSING)
-                if value is not _MISSING:
-                    pairs.append((name, value))
+                try:
+                    value = getattr(obj, name)
+                except Exception:  # noqa: BLE001 - unset (a __getattr__ may raise anything)
+                    continue
+                pairs.append((name, value))
     return pairs
 
 
@@ -192,8 +228,8 @@ class PrefetchedEpoch:
         # from the sampler's own count where it keeps one.
         self._epochs = []
         for sampler in loader_samplers(loader):
-            if callable(getattr(sampler, "set_epoch", None)):
-                now = getattr(sampler, "epoch", None)
+            if callable(attribute(sampler, "set_epoch")):
+                now = attribute(sampler, "epoch")
                 self._epochs.append((sampler, now + 1 if type(now) is int else epoch))
         self._expected = None
         self._left = None  # the user's generator states the last draw left
@@ -215,7 +251,7 @@ class PrefetchedEpoch:
                 torch.equal(a, b) for a, b in zip(user_states, self._left)):
             self.failed = True
             raise StopIteration
-        user_epochs = [getattr(sampler, "epoch", None) for sampler, _ in self._epochs]
+        user_epochs = [attribute(sampler, "epoch") for sampler, _ in self._epochs]
         try:
             for g, state in zip(self._generators, self._private_states):
                 g.set_state(state)

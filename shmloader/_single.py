@@ -9,6 +9,7 @@ from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIt
 
 from ._cuda import DeviceStage
 from ._resume import own_state, replay_message, sampler_state
+from ._sampler_state import attribute
 from ._warn import WarnsBetweenBatches
 
 
@@ -20,7 +21,7 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
             resume = None  # already applied: the new epoch starts as any other
         iterable = loader._dataset_kind == _DatasetKind.Iterable
         self._stateful = loader.dataset if iterable and \
-            callable(getattr(loader.dataset, "state_dict", None)) else None
+            callable(attribute(loader.dataset, "state_dict")) else None
         if resume is not None:
             # Before torch's __init__, which makes the sampler's and the
             # dataset's iterators.

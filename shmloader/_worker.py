@@ -81,6 +81,7 @@ from ._resume import (STATE_BYTES, carries_state, plain_worker_state, restore_wo
 from ._ring import Ring
 from ._rings import SharedMemoryError, shm_full_message
 from ._samples import SampleLayout
+from ._sampler_state import attribute
 from ._seeding import seed_sample
 from ._worker_exit import exit_now, orphaned, set_exit_handlers
 
@@ -367,7 +368,7 @@ def _run(cfg: WorkerConfig) -> None:
     # An IterableDataset that can say where it is (state_dict) is resumed
     # from there; a map-style dataset is resumed by index.
     stateful = dataset if cfg.dataset_kind == _DatasetKind.Iterable and \
-        callable(getattr(dataset, "state_dict", None)) else None
+        callable(attribute(dataset, "state_dict")) else None
     fetcher = fetcher_error = None
     try:
         if cfg.init_fn is not None:

@@ -623,6 +623,21 @@ class ChunkBatchSampler(Sampler):
         return len(self._batches())
 
 
+class KeyErrorSampler(ReverseSampler):
+    """Looks attributes it lacks up in a dict: asking it for one raises a KeyError (a
+    __getattr__ that torch never calls)."""
+
+    def __getattr__(self, name):
+        raise KeyError(name)
+
+
+class KeyErrorStream(ShardedIterable):
+    """As KeyErrorSampler, an IterableDataset."""
+
+    def __getattr__(self, name):
+        raise KeyError(name)
+
+
 class IteratorBatchSampler(Sampler):
     """Batches that are iterators without a length, as torch's fetcher accepts."""
 

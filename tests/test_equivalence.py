@@ -197,6 +197,10 @@ SCENARIOS = {
         dict(batch_sampler=tud.BatchSampler(tud.SequentialSampler(range(20)), 6, True), **W2)),
     "batch-sampler-chunks-w0": (P(D.IndexMap, 10), dict(batch_sampler=D.ChunkBatchSampler(10))),
     "batch-sampler-chunks-w2": (P(D.RNGMap, 10), dict(batch_sampler=D.ChunkBatchSampler(10), **W2)),
+    "sampler-keyerror-getattr-w2": (P(D.IndexMap, 9), dict(batch_size=2, sampler=D.KeyErrorSampler(9), **W2)),
+    "sampler-keyerror-getattr-w0": (P(D.IndexMap, 9), dict(batch_size=2, sampler=D.KeyErrorSampler(9))),
+    "iterable-keyerror-getattr-w2": (P(D.KeyErrorStream, 9), dict(batch_size=2, **W2)),
+    "iterable-keyerror-getattr-w0": (P(D.KeyErrorStream, 9), dict(batch_size=2)),
     "batch-sampler-iterators-w2": (P(D.IndexMap, 12), dict(batch_sampler=D.IteratorBatchSampler(), **W2)),
     "batch-sampler-iterators-w0": (P(D.IndexMap, 12), dict(batch_sampler=D.IteratorBatchSampler())),
     # batch_size=None (no auto-collation: default_convert per sample)

@@ -314,6 +314,39 @@ class _PlanSampler(tud.Sampler):
         return iter(list(self.__order))
 
 
+class _DequeSampler(tud.Sampler):
+    """Its order in a deque, which the user rotates in place."""
+
+    def __init__(self, n):
+        self.order = collections.deque(range(n))
+
+    def __len__(self):
+        return len(self.order)
+
+    def __iter__(self):
+        return iter(list(self.order))
+
+
+class _NumpyRngSampler(tud.Sampler):
+    """Shuffled by a numpy RandomState of its own, which the user reseeds."""
+
+    def __init__(self, n):
+        self.n, self.rng = n, np.random.RandomState(0)
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(self.rng.permutation(self.n).tolist())
+
+
+def test_state_in_a_deque_or_a_numpy_random_state_discards_prefetch():
+    assert check(sampler=P(_DequeSampler, N), on_epoch=lambda e, g, s: s.order.rotate(5),
+                 ).prefetched_epochs == 0
+    assert check(sampler=P(_NumpyRngSampler, N), on_epoch=lambda e, g, s: s.rng.seed(e),
+                 ).prefetched_epochs == 0
+
+
 class _LoaderAwareSampler(tud.SequentialSampler):
     """Holds the loader (whose counters move with every batch): not part of its state."""
     loader = None
