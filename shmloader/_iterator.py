@@ -86,7 +86,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._in_order = loader.in_order
         self._counters = loader._counters
         self._handover = loader._ring_handover
-        self.made_with = loader._options()
+        self._made_with = loader._options()  # see DataLoader.__iter__
         self._fetch = loader.fetch
         self._prefetch_next_epoch = loader.prefetch_next_epoch
         self._batch_size = loader.batch_size

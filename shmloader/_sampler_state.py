@@ -188,7 +188,7 @@ def _immutable(value) -> bool:
 
 def _attributes(obj):
     """An object's attributes: its __dict__'s and its __slots__' that are set."""
-    pairs = list(getattr(obj, "__dict__", {}).items())
+    pairs = list((attribute(obj, "__dict__") or {}).items())
     for cls in type(obj).__mro__:
         slots = cls.__dict__.get("__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:

@@ -331,7 +331,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._check_options()
         if isinstance(self._iterator, ShmLoaderIter) and (
                 self._iterator._shutdown or self._iterator._owner_pid != os.getpid()
-                or self._iterator.made_with != self._options()):
+                or self._iterator._made_with != self._options()):
             if not self._iterator._shutdown and self._iterator._owner_pid == os.getpid():
                 self._iterator._shutdown_workers()
             prefetched = self._iterator._prefetched
