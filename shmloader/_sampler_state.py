@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import array
 import collections
+import pickle
 import random
 import types
 
@@ -53,7 +54,8 @@ def loader_samplers(loader):
         obj = todo.pop(0)
         if obj is not None and all(obj is not s for s in seen):
             seen.append(obj)
-            todo += [v for _, v in _attributes(obj) if isinstance(v, Sampler)]
+            # (type(), not isinstance: a dead weakref.proxy raises on the latter)
+            todo += [v for _, v in _attributes(obj) if issubclass(type(v), Sampler)]
     return seen
 
 
@@ -61,9 +63,44 @@ def _generators(loader):
     found = [loader.generator] if loader.generator is not None else []
     for sampler in loader_samplers(loader):
         for _, value in _attributes(sampler):
-            if isinstance(value, torch.Generator) and all(value is not g for g in found):
+            if type(value) is torch.Generator and all(value is not g for g in found):
                 found.append(value)
     return found
+
+
+# Random generators other than torch's that a sampler may hold and draw from.
+_OTHER_RNGS = (random.Random, np.random.RandomState, np.random.Generator)
+
+
+def _rngs(loader):
+    """Every generator the prefetch must draw from privately: the loader's and
+    its samplers' torch generators, and the numpy and Python ones samplers
+    hold."""
+    found = _generators(loader)
+    for sampler in loader_samplers(loader):
+        for _, value in _attributes(sampler):
+            if issubclass(type(value), _OTHER_RNGS) and all(value is not g for g in found):
+                found.append(value)
+    return found
+
+
+def _get_state(rng):
+    return rng.get_state() if type(rng) is torch.Generator else _rng_state(rng)
+
+
+def _set_state(rng, state) -> None:
+    if type(rng) is torch.Generator or isinstance(rng, np.random.RandomState):
+        rng.set_state(state)
+    elif isinstance(rng, random.Random):
+        rng.setstate(state)
+    else:
+        rng.bit_generator.state = state
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return pickle.dumps(a) == pickle.dumps(b)
 
 
 def can_prefetch(loader) -> bool:
@@ -111,6 +148,12 @@ class _Snapshot:
         self._bytes = 0
 
     def of(self, value, depth: int = 0):
+        try:
+            return self._of(value, depth)
+        except Exception:  # noqa: BLE001 - a tensor with no plain bytes, a dead weakref.proxy
+            return ("object", id(value))
+
+    def _of(self, value, depth):
         if isinstance(value, _PRIMITIVES):
             return value
         if isinstance(value, torch.Generator):
@@ -122,10 +165,7 @@ class _Snapshot:
         self._nodes += 1
         if depth >= _DEPTH or self._nodes > _NODES or isinstance(value, _OPAQUE):
             return ("object", id(value))
-        try:
-            return self._content(value, depth + 1)
-        except Exception:  # noqa: BLE001 - a tensor with no plain bytes (sparse, meta, ...)
-            return ("object", id(value))
+        return self._content(value, depth + 1)
 
     def _content(self, value, depth):
         if isinstance(value, (list, tuple, collections.deque)):
@@ -145,6 +185,8 @@ class _Snapshot:
         if isinstance(value, array.array):
             return ("array", value.typecode, value.tobytes())
         if isinstance(value, np.ndarray) and value.dtype.hasobject:  # its bytes are pointers
+            if value.size > _NODES - self._nodes:
+                return ("object", id(value))
             return ("ndarray", value.shape, self._each(list(value.ravel()), depth, value))
         if isinstance(value, (torch.Tensor, np.ndarray)):
             self._bytes += value.nbytes
@@ -155,11 +197,9 @@ class _Snapshot:
             data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
             return ("tensor", value.dtype, tuple(value.shape),
                     bytes(data.reshape(-1).view(torch.uint8).numpy()))
-        if isinstance(value, (random.Random, np.random.RandomState)):
-            return (type(value), id(value), self.of(value.getstate() if isinstance(
-                value, random.Random) else value.get_state(), depth))
-        if isinstance(value, np.random.Generator):
-            return (type(value), id(value), self.of(value.bit_generator.state, depth))
+        if isinstance(value, (random.Random, np.random.RandomState, np.random.Generator)):
+            # A new state object each call, whole (a budget's identity would differ).
+            return (type(value), id(value), pickle.dumps(_rng_state(value)))
         # An object: by identity (another one assigned) and by its attributes.
         attrs = [(k, self.of(v, depth)) for k, v in _attributes(value)]
         return (type(value), id(value), tuple(attrs))
@@ -171,6 +211,14 @@ class _Snapshot:
         if len(items) > _NODES - self._nodes:
             return ("object", id(container))
         return tuple(self.of(v, depth) for v in items)
+
+
+def _rng_state(rng):
+    if isinstance(rng, random.Random):
+        return rng.getstate()
+    if isinstance(rng, np.random.RandomState):
+        return rng.get_state()
+    return rng.bit_generator.state
 
 
 def _all_immutable(values) -> bool:
@@ -222,8 +270,8 @@ class PrefetchedEpoch:
     def __init__(self, loader, epoch: int):
         self.epoch = epoch
         self._loader = loader
-        self._generators = _generators(loader)
-        self._private_states = [g.get_state() for g in self._generators]
+        self._generators = _rngs(loader)
+        self._private_states = [_get_state(g) for g in self._generators]
         # (sampler, the epoch to draw with) for samplers with set_epoch: e + 1
         # from the sampler's own count where it keeps one.
         self._epochs = []
@@ -246,15 +294,15 @@ class PrefetchedEpoch:
         # have set an epoch since the last draw).  A generator the loop drew
         # from since then has moved on from where this epoch was drawn: torch
         # would draw the epoch after those draws, so it is left to iter().
-        user_states = [g.get_state() for g in self._generators]
+        user_states = [_get_state(g) for g in self._generators]
         if self._left is not None and not all(
-                torch.equal(a, b) for a, b in zip(user_states, self._left)):
+                _same_state(a, b) for a, b in zip(user_states, self._left)):
             self.failed = True
             raise StopIteration
         user_epochs = [attribute(sampler, "epoch") for sampler, _ in self._epochs]
         try:
             for g, state in zip(self._generators, self._private_states):
-                g.set_state(state)
+                _set_state(g, state)
             for sampler, then in self._epochs:
                 sampler.set_epoch(then)
             return fn()
@@ -264,9 +312,9 @@ class PrefetchedEpoch:
             self.failed = True
             raise StopIteration from None
         finally:
-            self._private_states = [g.get_state() for g in self._generators]
+            self._private_states = [_get_state(g) for g in self._generators]
             for g, state in zip(self._generators, user_states):
-                g.set_state(state)
+                _set_state(g, state)
             self._left = user_states
             # What the user's objects must look like at the next iter().
             self._expected = _capture(self._loader)
@@ -283,4 +331,4 @@ class PrefetchedEpoch:
     def adopt(self) -> None:
         """The draws happen now: the generators move on as they would have."""
         for g, state in zip(self._generators, self._private_states):
-            g.set_state(state)
+            _set_state(g, state)

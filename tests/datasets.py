@@ -10,6 +10,7 @@ import collections.abc
 import math
 import random
 import time
+import weakref
 from collections import OrderedDict, namedtuple
 from collections.abc import Mapping
 
@@ -629,6 +630,26 @@ class KeyErrorSampler(ReverseSampler):
 
     def __getattr__(self, name):
         raise KeyError(name)
+
+
+class SlotsKeyErrorSampler:
+    """A sampler that is a plain iterable with __slots__ and no __dict__, whose __getattr__
+    raises a KeyError for names it lacks (even "__dict__"), holding a weakref.proxy to an
+    object that is gone."""
+    __slots__ = ("n", "gone")
+
+    def __init__(self, n):
+        self.n = n
+        self.gone = weakref.proxy(ReverseSampler(n))  # its referent is freed at once
+
+    def __getattr__(self, name):
+        raise KeyError(name)
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(range(self.n - 1, -1, -1))
 
 
 class KeyErrorStream(ShardedIterable):

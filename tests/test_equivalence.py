@@ -199,6 +199,8 @@ SCENARIOS = {
     "batch-sampler-chunks-w2": (P(D.RNGMap, 10), dict(batch_sampler=D.ChunkBatchSampler(10), **W2)),
     "sampler-keyerror-getattr-w2": (P(D.IndexMap, 9), dict(batch_size=2, sampler=D.KeyErrorSampler(9), **W2)),
     "sampler-keyerror-getattr-w0": (P(D.IndexMap, 9), dict(batch_size=2, sampler=D.KeyErrorSampler(9))),
+    "sampler-slots-keyerror-getattr-w2": (
+        P(D.IndexMap, 9), dict(batch_size=2, sampler=D.SlotsKeyErrorSampler(9), **W2)),
     "iterable-keyerror-getattr-w2": (P(D.KeyErrorStream, 9), dict(batch_size=2, **W2)),
     "iterable-keyerror-getattr-w0": (P(D.KeyErrorStream, 9), dict(batch_size=2)),
     "batch-sampler-iterators-w2": (P(D.IndexMap, 12), dict(batch_sampler=D.IteratorBatchSampler(), **W2)),

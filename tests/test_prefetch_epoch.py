@@ -328,16 +328,17 @@ class _DequeSampler(tud.Sampler):
 
 
 class _NumpyRngSampler(tud.Sampler):
-    """Shuffled by a numpy RandomState of its own, which the user reseeds."""
+    """Shuffled by a numpy RandomState of its own (which the user may reseed); yields the
+    first `limit` of each permutation (which the user may change)."""
 
     def __init__(self, n):
-        self.n, self.rng = n, np.random.RandomState(0)
+        self.n, self.limit, self.rng = n, n, np.random.RandomState(0)
 
     def __len__(self):
-        return self.n
+        return self.limit
 
     def __iter__(self):
-        return iter(self.rng.permutation(self.n).tolist())
+        return iter(self.rng.permutation(self.n)[:self.limit].tolist())
 
 
 def test_state_in_a_deque_or_a_numpy_random_state_discards_prefetch():
@@ -345,6 +346,17 @@ def test_state_in_a_deque_or_a_numpy_random_state_discards_prefetch():
                  ).prefetched_epochs == 0
     assert check(sampler=P(_NumpyRngSampler, N), on_epoch=lambda e, g, s: s.rng.seed(e),
                  ).prefetched_epochs == 0
+
+
+def test_a_numpy_random_state_a_sampler_holds_is_drawn_from_privately():
+    """The early draws use a private copy of the sampler's own numpy RNG, as of a torch
+    generator: a prefetch dropped for another change leaves the RNG where torch's would
+    be, and one kept moves it on as torch's draws would."""
+    def shorten(e, g, s):
+        s.limit = N - 4 * e
+
+    assert check(sampler=P(_NumpyRngSampler, N), on_epoch=shorten).prefetched_epochs == 0
+    assert check(sampler=P(_NumpyRngSampler, N)).prefetched_epochs == 2
 
 
 class _LoaderAwareSampler(tud.SequentialSampler):
