@@ -63,7 +63,7 @@ def _generators(loader):
     found = [loader.generator] if loader.generator is not None else []
     for sampler in loader_samplers(loader):
         for _, value in _attributes(sampler):
-            if type(value) is torch.Generator and all(value is not g for g in found):
+            if issubclass(type(value), torch.Generator) and all(value is not g for g in found):
                 found.append(value)
     return found
 
@@ -79,17 +79,27 @@ def _rngs(loader):
     found = _generators(loader)
     for sampler in loader_samplers(loader):
         for _, value in _attributes(sampler):
-            if issubclass(type(value), _OTHER_RNGS) and all(value is not g for g in found):
+            if issubclass(type(value), _OTHER_RNGS) and all(value is not g for g in found) \
+                    and _has_state(value):
                 found.append(value)
     return found
 
 
+def _has_state(rng) -> bool:
+    """Whether its state can be read (random.SystemRandom's cannot)."""
+    try:
+        _rng_state(rng)
+    except Exception:  # noqa: BLE001 - NotImplementedError, or a subclass's own
+        return False
+    return True
+
+
 def _get_state(rng):
-    return rng.get_state() if type(rng) is torch.Generator else _rng_state(rng)
+    return rng.get_state() if isinstance(rng, torch.Generator) else _rng_state(rng)
 
 
 def _set_state(rng, state) -> None:
-    if type(rng) is torch.Generator or isinstance(rng, np.random.RandomState):
+    if isinstance(rng, (torch.Generator, np.random.RandomState)):
         rng.set_state(state)
     elif isinstance(rng, random.Random):
         rng.setstate(state)
@@ -321,6 +331,10 @@ class PrefetchedEpoch:
             for (sampler, _), now in zip(self._epochs, user_epochs):
                 if now is not None:
                     sampler.set_epoch(now)
+            # Again: a set_epoch that reseeds a generator (which torch never
+            # calls here) must leave the user's draws where they were.
+            for g, state in zip(self._generators, user_states):
+                _set_state(g, state)
 
     def holds(self) -> bool:
         """Whether the next iter() finds what this epoch was drawn with (and

@@ -359,6 +359,57 @@ def test_a_numpy_random_state_a_sampler_holds_is_drawn_from_privately():
     assert check(sampler=P(_NumpyRngSampler, N)).prefetched_epochs == 2
 
 
+class _TorchGeneratorSubclass(torch.Generator):
+    pass
+
+
+_OWN_RNGS = {"torch-subclass": _TorchGeneratorSubclass, "numpy": np.random.RandomState,
+             "python": random.Random}
+
+
+class _OwnRngSampler(tud.Sampler):
+    """Shuffles with a generator of its own, which set_epoch reseeds; also holds a
+    random.SystemRandom (whose state cannot be read) that it never uses."""
+
+    def __init__(self, n, kind):
+        self.n, self.epoch, self.entropy = n, 0, random.SystemRandom()
+        self.rng = _OWN_RNGS[kind]()
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+        if isinstance(self.rng, torch.Generator):
+            self.rng.manual_seed(epoch)
+        else:
+            self.rng.seed(epoch)
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        if isinstance(self.rng, torch.Generator):
+            return iter(torch.randperm(self.n, generator=self.rng).tolist())
+        if isinstance(self.rng, random.Random):
+            return iter(self.rng.sample(range(self.n), self.n))
+        return iter(self.rng.permutation(self.n).tolist())
+
+
+def _draw_from_its_rng(e, g, s):
+    if isinstance(s.rng, torch.Generator):
+        torch.rand(1, generator=s.rng)
+    else:
+        s.rng.random()
+
+
+@pytest.mark.parametrize("kind", list(_OWN_RNGS))
+@pytest.mark.parametrize("on_epoch", [None, _draw_from_its_rng], ids=["alone", "loop-draws"])
+def test_a_samplers_own_generator_reseeded_by_a_set_epoch_never_called(kind, on_epoch):
+    """The early draws set the sampler's epoch to e + 1 and back, through its set_epoch,
+    which reseeds its generator: torch never calls it, so the user's generator is left as
+    it was, and every epoch is torch's."""
+    check(sampler=P(_OwnRngSampler, N, kind), on_epoch=on_epoch)
+
+
 class _LoaderAwareSampler(tud.SequentialSampler):
     """Holds the loader (whose counters move with every batch): not part of its state."""
     loader = None
