@@ -59,43 +59,36 @@ def loader_samplers(loader):
     return seen
 
 
-def _generators(loader):
-    found = [loader.generator] if loader.generator is not None else []
-    for sampler in loader_samplers(loader):
-        for _, value in _attributes(sampler):
-            if issubclass(type(value), torch.Generator) and all(value is not g for g in found):
-                found.append(value)
-    return found
-
-
 # Random generators other than torch's that a sampler may hold and draw from.
 _OTHER_RNGS = (random.Random, np.random.RandomState, np.random.Generator)
 
 
-def _rngs(loader):
-    """Every generator the prefetch must draw from privately: the loader's and
-    its samplers' torch generators, and the numpy and Python ones samplers
-    hold."""
-    found = _generators(loader)
+def _generators(loader, kinds=(torch.Generator,)):
+    """The loader's generator and the generators of `kinds` its samplers hold
+    whose state can be read (random.SystemRandom's cannot), each once."""
+    found = [loader.generator] if loader.generator is not None else []
     for sampler in loader_samplers(loader):
         for _, value in _attributes(sampler):
-            if issubclass(type(value), _OTHER_RNGS) and all(value is not g for g in found) \
+            if issubclass(type(value), kinds) and all(value is not g for g in found) \
                     and _has_state(value):
                 found.append(value)
     return found
 
 
 def _has_state(rng) -> bool:
-    """Whether its state can be read (random.SystemRandom's cannot)."""
     try:
-        _rng_state(rng)
+        _get_state(rng)
     except Exception:  # noqa: BLE001 - NotImplementedError, or a subclass's own
         return False
     return True
 
 
 def _get_state(rng):
-    return rng.get_state() if isinstance(rng, torch.Generator) else _rng_state(rng)
+    if isinstance(rng, (torch.Generator, np.random.RandomState)):
+        return rng.get_state()
+    if isinstance(rng, random.Random):
+        return rng.getstate()
+    return rng.bit_generator.state
 
 
 def _set_state(rng, state) -> None:
@@ -207,9 +200,9 @@ class _Snapshot:
             data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
             return ("tensor", value.dtype, tuple(value.shape),
                     bytes(data.reshape(-1).view(torch.uint8).numpy()))
-        if isinstance(value, (random.Random, np.random.RandomState, np.random.Generator)):
+        if isinstance(value, _OTHER_RNGS):
             # A new state object each call, whole (a budget's identity would differ).
-            return (type(value), id(value), pickle.dumps(_rng_state(value)))
+            return (type(value), id(value), pickle.dumps(_get_state(value)))
         # An object: by identity (another one assigned) and by its attributes.
         attrs = [(k, self.of(v, depth)) for k, v in _attributes(value)]
         return (type(value), id(value), tuple(attrs))
@@ -221,14 +214,6 @@ class _Snapshot:
         if len(items) > _NODES - self._nodes:
             return ("object", id(container))
         return tuple(self.of(v, depth) for v in items)
-
-
-def _rng_state(rng):
-    if isinstance(rng, random.Random):
-        return rng.getstate()
-    if isinstance(rng, np.random.RandomState):
-        return rng.get_state()
-    return rng.bit_generator.state
 
 
 def _all_immutable(values) -> bool:
@@ -280,7 +265,8 @@ class PrefetchedEpoch:
     def __init__(self, loader, epoch: int):
         self.epoch = epoch
         self._loader = loader
-        self._generators = _rngs(loader)
+        # Drawn from privately: numpy's and Python's generators too.
+        self._generators = _generators(loader, (torch.Generator, *_OTHER_RNGS))
         self._private_states = [_get_state(g) for g in self._generators]
         # (sampler, the epoch to draw with) for samplers with set_epoch: e + 1
         # from the sampler's own count where it keeps one.
