@@ -332,8 +332,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if isinstance(self._iterator, ShmLoaderIter) and (
                 self._iterator._shutdown or self._iterator._owner_pid != os.getpid()
                 or self._iterator._made_with != self._options()):
-            if not self._iterator._shutdown and self._iterator._owner_pid == os.getpid():
-                self._iterator._shutdown_workers()
+            self._iterator._shutdown_workers()  # (a no-op for the first two)
             prefetched = self._iterator._prefetched
             if prefetched is not None:  # its next epoch, numbered already, is drawn anew
                 self._epochs_started = prefetched.epoch
