@@ -310,10 +310,11 @@ def loads(meta: bytes, slot_buffer, copy_small: bool = True):
     through torch's pickling, samples in the batch, the worker's state or
     None)."""
     file = io.BytesIO(meta)
-    make_leaf = _LeafMaker(slot_buffer, copy_small)
-    refs, fallback_leaves, samples, worker_state = _RefUnpickler(file, make_leaf).load()
+    # The references need no hook: the C unpickler reads them, dtypes included.
+    refs, fallback_leaves, samples, worker_state = pickle.load(file)
     if type(refs) is not list:
         raise pickle.UnpicklingError("slot metadata without its list of slot references")
+    make_leaf = _LeafMaker(slot_buffer, copy_small)
     make_leaf.refs = refs
     # An unpickler of its own: the batch's pickle numbers its memo from 0.
     batch = _RefUnpickler(file, make_leaf).load()
