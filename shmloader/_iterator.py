@@ -47,7 +47,7 @@ from ._rings import (SharedMemoryError, create_ring, idle_ring_held_by, idle_rin
                      make_room_for_the_rest, release_idle_rings, reserve_in_background, retire,
                      ring_in_use_by, short_room_message, slots_with_room)
 from ._sampler_state import PrefetchedEpoch, can_prefetch
-from ._warn import WarnsBetweenBatches
+from ._warn import WarnsBetweenBatches, call_as_torch
 from ._worker import MEASURE, NO_SLOT
 
 # Slots beyond the prefetch_factor * num_workers batches in flight: the batch
@@ -66,7 +66,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         resume = loader._resume
         rng_before = torch.get_rng_state() if resume is not None and loader.generator is None \
             else None
-        super().__init__(loader)
+        call_as_torch(super().__init__, loader)  # its warnings are torch's
         self._prefetch_factor = loader.prefetch_factor
         if self._prefetch_factor <= 0:  # torch's check, after the same draws
             raise AssertionError(
@@ -169,10 +169,10 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
     def __next__(self):
         # torch's __next__ opens a profiler record_function around every
         # batch: ~5 us that records nothing unless a profiler is on.  Only a
-        # map-style dataset's iterator that has begun skips it (torch's
-        # IterableDataset length check and first _reset stay torch's).
-        if self._dataset_kind == _DatasetKind.Iterable or self._sampler_iter is None \
-                or torch.autograd._profiler_enabled():
+        # map-style dataset's iterator that has begun skips it (torch's first
+        # _reset stays torch's; an IterableDataset's iterator is the subclass
+        # below).
+        if self._sampler_iter is None or torch.autograd._profiler_enabled():
             return super().__next__()
         data = self._next_data()
         self._num_yielded += 1
@@ -936,6 +936,13 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
     def __del__(self) -> None:
         if hasattr(self, "_arrivals"):
             self._shutdown_workers()
+
+
+class IterableShmLoaderIter(ShmLoaderIter):
+    """An IterableDataset's: torch's __next__ is next() itself, so that its
+    warning of a stream longer than len() names the user's line, as torch's
+    does."""
+    __next__ = _BaseDataLoaderIter.__next__
 
 
 # What _process_data returns for a batch fetched again after a resume and dropped.

@@ -17,6 +17,18 @@ def warn(message: str) -> None:
     warnings.warn(message, stacklevel=level)
 
 
+# torch's loader warns with stacklevel=2, naming the frame that called the
+# method that warns: torch's own loader, for the calls that shmloader makes in
+# its place (super().__init__ of an iterator, check_worker_number_rationality).
+# Made through call_as_torch, such a warning names torch's loader module as
+# torch's does, so filters by module (filterwarnings(..., module="torch.utils.data"))
+# treat it alike.  (The frame's file stays this one.)
+_as_torch: dict = {"__name__": "torch.utils.data.dataloader"}
+exec(compile("def call_as_torch(function, *args):\n    return function(*args)\n",
+             __file__, "exec"), _as_torch)
+call_as_torch = _as_torch["call_as_torch"]
+
+
 class WarnsBetweenBatches:
     """For iterators: a warning that filters turn into an error (pytest -W
     error) is raised by the next next() before it takes anything, or in place

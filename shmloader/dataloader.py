@@ -15,12 +15,13 @@ from torch.utils.data._utils.collate import default_collate
 
 from ._arena import changed_collation
 from ._cuda import check_device
-from ._iterator import ShmLoaderIter
+from ._iterator import IterableShmLoaderIter, ShmLoaderIter
 from ._resume import Progress, Resume, check_state, state_dict
 from ._single import SingleProcessIter
 from ._ring import MAX_SLOTS
 from ._rings import RingHandover
 from ._stats import Counters, LoaderStats
+from ._warn import call_as_torch
 
 
 def _positive_int(name, value, upper=None):
@@ -319,7 +320,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def _get_iterator(self):
         if self.num_workers == 0:
             return SingleProcessIter(self)
-        self.check_worker_number_rationality()
+        call_as_torch(self.check_worker_number_rationality)
+        if self._dataset_kind == _DatasetKind.Iterable:
+            return IterableShmLoaderIter(self)
         return ShmLoaderIter(self)
 
     def __iter__(self):

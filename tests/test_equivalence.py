@@ -906,6 +906,33 @@ def test_too_many_workers_warns_like_torch():
     assert t == go(ShmDataLoader)
 
 
+@pytest.mark.parametrize("case", ["too-many-workers", "pin-memory", "longer-than-len"])
+@pytest.mark.parametrize("module_filter", [False, True])
+def test_torchs_warnings_are_attributed_as_torchs(case, module_filter):
+    """torch's loader warnings raised through shmloader name torch's loader module where
+    torch's do (a filter by module hides both alike), and the user's line where torch's
+    do (an IterableDataset longer than its len())."""
+    def go(cls):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if module_filter:
+                warnings.filterwarnings("ignore", module=r"torch\.utils\.data")
+            if case == "too-many-workers":
+                list(cls(D.IndexMap(4), num_workers=NCPU + 1))
+            elif case == "pin-memory":
+                list(cls(D.IndexMap(4), num_workers=1, pin_memory=True))
+            else:
+                loader = cls(dataset, num_workers=1, batch_size=None)
+                len(loader)
+                list(loader)
+        return [(w.category, str(w.message), w.filename == __file__) for w in caught]
+
+    dataset = D.LyingLenIterable(8)
+    t = go(TorchDataLoader)
+    assert t or module_filter or (case == "pin-memory" and torch.accelerator.is_available())
+    assert go(ShmDataLoader) == t
+
+
 # --------------------------------------------------------------------------- len() grid
 @settings(max_examples=40, deadline=None)
 @given(
