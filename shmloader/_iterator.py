@@ -313,7 +313,9 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             self._warn(
                 f"shmloader: all {self._ring.nslots} ring slots are in use (batches still "
                 "referenced by your code, plus those in flight); further batches travel by "
-                "torch's transport until slots are released. Ring memory stays capped at "
+                "torch's transport until slots are released. Any tensor kept from a batch "
+                "(a mask collected for a metric) holds its batch's whole slot: keep a "
+                ".clone() of it instead. Ring memory stays capped at "
                 f"{self._ring.total_bytes} bytes; pass num_slots= to keep more batches in "
                 "the ring.", "warned_ring_full"
             )

@@ -48,6 +48,7 @@ def test_list_of_loader_never_changes_and_warns_once():
         kept = list(loader)
     ring_full = [w for w in caught if "ring slots are in use" in str(w.message)]
     assert len(ring_full) == 1
+    assert "keep a .clone() of it instead" in str(ring_full[0].message)  # the way out
     stats = loader.stats()
     assert stats.ring_full_batches > 0 and stats.slot_batches + stats.ring_full_batches == 50
     for got, want in zip(kept, _expected(200, 4)):
