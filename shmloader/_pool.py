@@ -16,6 +16,7 @@ import signal
 import socket
 import struct
 import time
+from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
 from pickle import PicklingError
 
@@ -84,6 +85,18 @@ def _exit_description(process) -> str:
     return f"exited unexpectedly with exit code {code}"
 
 
+class _MainEnd(Connection):
+    """The main process's end of a worker's pipe.  multiprocessing's __del__
+    closes the fd but keeps its number; the garbage collector may run it
+    before the iterator's __del__ (both in one reference cycle, as a re-raised
+    worker error's traceback makes), whose shutdown would then write to, and
+    close, that number: by then another file's.  Closed through close(), the
+    end forgets its number, and the shutdown finds it closed."""
+
+    def __del__(self):
+        self.close()
+
+
 class WorkerPool:
     def __init__(self, ctx, configs):
         """Start one worker per partial config (a dict of WorkerConfig fields
@@ -110,6 +123,7 @@ class WorkerPool:
     def _start(self, ctx, fields):
         main_tasks, worker_tasks = ctx.Pipe(duplex=True)
         main_results, worker_results = ctx.Pipe(duplex=False)
+        main_tasks.__class__ = main_results.__class__ = _MainEnd
         config = WorkerConfig(tasks=worker_tasks, results=worker_results, **fields)
         process = ctx.Process(target=worker_loop, args=(config,), daemon=True)
         try:
@@ -237,13 +251,15 @@ class WorkerPool:
         with graceful=False (a worker died: the rest is abandoned) terminate
         at once."""
         try:
-            for conn in self._tasks:
+            told = []
+            for p, conn in zip(self.processes, self._tasks):
                 try:
                     conn.send(None)
+                    told.append(p)
                 except OSError:
-                    pass
+                    pass  # gone, or its pipe end finalized already: nothing to wait for
             deadline = time.monotonic() + (JOIN_TIMEOUT if graceful else 0.0)
-            for p in self.processes:
+            for p in told:
                 p.join(max(0.0, deadline - time.monotonic()))
         finally:
             # Also when the wait is interrupted (Ctrl-C): as torch's shutdown,

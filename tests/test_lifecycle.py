@@ -442,6 +442,36 @@ def test_many_iterators_do_not_grow_fds_or_children():
     assert our_segments() == []
 
 
+def test_pipe_ends_finalized_first_leave_the_files_that_reuse_their_numbers(tmp_path):
+    """The garbage collector may finalize the workers' pipe ends before the iterator (a
+    re-raised worker error's traceback puts them in one reference cycle), and a thread may
+    open files under their numbers meanwhile: the iterator's shutdown then neither writes
+    to those files nor closes them, and the workers still go."""
+    loader = DataLoader(Images(16), batch_size=4, num_workers=2)
+    it = iter(loader)
+    next(it)
+    pool = it._pool
+    reused = []
+    for k, conn in enumerate(pool._tasks + pool._results):
+        number = conn.fileno()
+        conn.__del__()  # as the collector may, before the iterator's __del__
+        path = tmp_path / f"file{k}"
+        other = os.open(path, os.O_RDWR | os.O_CREAT)
+        if other != number:  # another thread's file, under the freed number
+            os.dup2(other, number)
+            os.close(other)
+        reused.append((number, path))
+    it._shutdown_workers()
+    try:
+        for number, path in reused:
+            assert os.readlink(f"/proc/self/fd/{number}") == str(path), "closed"
+            assert path.stat().st_size == 0, "written to"
+        assert wait_gone(pool.pids, HANG)[0] == []
+    finally:
+        for number, _ in reused:
+            os.close(number)
+
+
 # ---- the main process ends abruptly: a separate process we kill ----
 
 MAIN_SCRIPT = textwrap.dedent("""
