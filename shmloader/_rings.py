@@ -58,6 +58,24 @@ def shm_full_message(cause: str) -> str:
         f"needs {SHM_DIR} too, fails such batches as well). {_SHM_ADVICE}")
 
 
+def transport_shm_full_message(cause: str, reason: str, ring_bytes: int) -> str:
+    """What to do when torch's transport finds no room in /dev/shm for a batch
+    that the ring could not take (reason "spill": bigger than its slot;
+    "ring_full": every slot in use), while the ring keeps its own room."""
+    if reason == "spill":
+        why, change = ("it did not fit its ring slot",
+                       "Pass slot_bytes= of at least your largest batch's bytes, so that "
+                       "every batch goes through the ring")
+    else:
+        why, change = ("every ring slot was in use (batches your code keeps hold theirs)",
+                       "Keep clones, not views, of what you collect from batches, so that "
+                       "their slots go back to the ring")
+    return (
+        f"torch's transport could not put this batch in shared memory ({cause}); the batch "
+        f"went that way because {why}, and shmloader's ring keeps {ring_bytes} bytes of "
+        f"{SHM_DIR} for its slots. {change}, or enlarge {SHM_DIR} (docker: --shm-size).")
+
+
 def _limit_bytes() -> int | None:
     limit = os.environ.get(LIMIT_ENV)
     if not limit:

@@ -79,7 +79,7 @@ from ._malloc import keep_freed_memory
 from ._resume import (STATE_BYTES, carries_state, plain_worker_state, restore_worker_rng,
                       worker_snapshot)
 from ._ring import Ring
-from ._rings import SharedMemoryError, shm_full_message
+from ._rings import SharedMemoryError, shm_full_message, transport_shm_full_message
 from ._samples import SampleLayout
 from ._sampler_state import attribute
 from ._seeding import seed_sample
@@ -563,8 +563,8 @@ class _Work:
             # given back below and may be refilled at once.
             reply = _layout.dumps_detached(("batch", task_id, reason, data, needed, samples, state),
                                            arena.owns if arena is not None else None)
-        except Exception:
-            reply = ("error", task_id, ExceptionWrapper(where=self.where))
+        except Exception as e:
+            reply = ("error", task_id, self._transport_failed(e, reason))
         self.give_back(slot)
         self.busy.add(self.slots, samples, 1, len(reply) if isinstance(reply, bytes) else 0)
         return reply, False
@@ -660,6 +660,19 @@ class _Work:
     def _snapshot(self):
         """worker_snapshot() where batches carry the worker's state, else None."""
         return worker_snapshot(self.stateful) if self.snapshots else None
+
+    def _transport_failed(self, error: Exception, reason: str):
+        """A batch's error in torch's transport.  Where that transport found
+        /dev/shm full beside the ring, the error says so, and what to change
+        (still a RuntimeError, as torch's own)."""
+        if self.slots is None or reason == "no_ring" or not (
+                isinstance(error, RuntimeError) and "unable to allocate shared memory" in str(error)):
+            return ExceptionWrapper(where=self.where)
+        message = transport_shm_full_message(str(error), reason, self.slots.ring.total_bytes)
+        try:
+            raise SharedMemoryError(message) from error
+        except SharedMemoryError:
+            return ExceptionWrapper(where=self.where)
 
     def _shm_full(self, cause: OSError):
         """A slot's pages could not be reserved: its batch's error (torch's

@@ -229,6 +229,41 @@ def test_default_collate_spill_is_not_corrupted_by_slot_reuse():
             assert names == tuple("x" * 9000 + str(i) for i in range(b * 4, b * 4 + 4))
 
 
+@pytest.mark.parametrize("reason", ["spill", "ring_full"])
+def test_no_room_for_torchs_transport_beside_the_ring_says_what_to_change(monkeypatch, reason):
+    """A batch that the ring cannot take goes by torch's transport; where that finds
+    /dev/shm full (the ring keeping its room), the batch's error is still torch's
+    RuntimeError, says why, and names what to change; the next batches come."""
+    real = _layout.dumps_detached
+
+    def no_room(message, owns):  # torch's words for a full /dev/shm
+        if message[0] == "batch" and message[2] == reason:
+            raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_3>: "
+                               "No space left on device (28)")
+        return real(message, owns)
+
+    monkeypatch.setattr(_layout, "dumps_detached", no_room)  # the forked workers' too
+    why = "did not fit its ring slot" if reason == "spill" else "every ring slot was in use"
+    loader = DataLoader(Images(64, shape=(3, 32, 32)), batch_size=4, num_workers=2, num_slots=1,
+                        slot_bytes=SLOT if reason == "ring_full" else 1024)
+    got, errors = 0, 0
+    it = iter(loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        held = []
+        for _ in range(16):
+            try:
+                held.append(next(it))  # kept: with one slot, the ring is full at once
+                got += 1
+            except RuntimeError as e:
+                assert isinstance(e, SharedMemoryError)
+                assert why in str(e) and "No space left on device" in str(e), str(e)
+                change = "Pass slot_bytes=" if reason == "spill" else "Keep clones"
+                assert change in str(e) and "bytes of /dev/shm" in str(e)
+                errors += 1
+    assert errors > 0 and got + errors == 16
+
+
 def test_slot_size_learned_from_first_batch():
     loader = DataLoader(Images(64, shape=(3, 32, 32)), batch_size=8, num_workers=2)
     list(loader)
