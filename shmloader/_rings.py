@@ -58,22 +58,16 @@ def shm_full_message(cause: str) -> str:
         f"needs {SHM_DIR} too, fails such batches as well). {_SHM_ADVICE}")
 
 
-def transport_shm_full_message(cause: str, reason: str, ring_bytes: int) -> str:
-    """What to do when torch's transport finds no room in /dev/shm for a batch
-    that the ring could not take (reason "spill": bigger than its slot;
-    "ring_full": every slot in use), while the ring keeps its own room."""
-    if reason == "spill":
-        why, change = ("it did not fit its ring slot",
-                       "Pass slot_bytes= of at least your largest batch's bytes, so that "
-                       "every batch goes through the ring")
-    else:
-        why, change = ("every ring slot was in use (batches your code keeps hold theirs)",
-                       "Keep clones, not views, of what you collect from batches, so that "
-                       "their slots go back to the ring")
+def transport_shm_full_message(cause: str, ring_bytes: int) -> str:
+    """What to do when torch's shared memory (its collate's in a worker, or its
+    transport's) finds no room in /dev/shm beside a ring that keeps its own."""
     return (
-        f"torch's transport could not put this batch in shared memory ({cause}); the batch "
-        f"went that way because {why}, and shmloader's ring keeps {ring_bytes} bytes of "
-        f"{SHM_DIR} for its slots. {change}, or enlarge {SHM_DIR} (docker: --shm-size).")
+        f"torch could not allocate shared memory for this batch ({cause}): {SHM_DIR} is full, "
+        f"and shmloader's ring keeps {ring_bytes} bytes of it for its slots. Enlarge {SHM_DIR} "
+        "(docker: --shm-size). Batches that go through the ring need no room beyond it: pass "
+        "slot_bytes= of at least your largest batch's bytes, keep clones rather than views of "
+        "batch tensors you collect (a kept view holds its slot), or pass a smaller num_slots= "
+        "to leave more room for the rest.")
 
 
 def _limit_bytes() -> int | None:

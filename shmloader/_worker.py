@@ -537,7 +537,7 @@ class _Work:
                 return ("stop", task_id, worker_snapshot(None) if self.snapshots else None), True
             # With the worker's state: the draws made before the error are
             # part of where a resume starts (an error is a yielded item).
-            return ("error", task_id, ExceptionWrapper(where=self.where),
+            return ("error", task_id, self._batch_error(e),
                     self._snapshot()), False
         samples = self.collate_fn.samples
         state = self._snapshot()
@@ -564,7 +564,7 @@ class _Work:
             reply = _layout.dumps_detached(("batch", task_id, reason, data, needed, samples, state),
                                            arena.owns if arena is not None else None)
         except Exception as e:
-            reply = ("error", task_id, self._transport_failed(e, reason))
+            reply = ("error", task_id, self._batch_error(e))
         self.give_back(slot)
         self.busy.add(self.slots, samples, 1, len(reply) if isinstance(reply, bytes) else 0)
         return reply, False
@@ -661,14 +661,15 @@ class _Work:
         """worker_snapshot() where batches carry the worker's state, else None."""
         return worker_snapshot(self.stateful) if self.snapshots else None
 
-    def _transport_failed(self, error: Exception, reason: str):
-        """A batch's error in torch's transport.  Where that transport found
-        /dev/shm full beside the ring, the error says so, and what to change
-        (still a RuntimeError, as torch's own)."""
-        if self.slots is None or reason == "no_ring" or not (
-                isinstance(error, RuntimeError) and "unable to allocate shared memory" in str(error)):
+    def _batch_error(self, error: Exception):
+        """The ExceptionWrapper of a batch's error.  torch's failure to
+        allocate shared memory (its collate's in a worker, or its transport's)
+        beside this worker's ring says that the ring keeps part of /dev/shm,
+        and what to change; it stays a RuntimeError, as torch's."""
+        if self.slots is None or not (isinstance(error, RuntimeError)
+                                      and "unable to allocate shared memory" in str(error)):
             return ExceptionWrapper(where=self.where)
-        message = transport_shm_full_message(str(error), reason, self.slots.ring.total_bytes)
+        message = transport_shm_full_message(str(error), self.slots.ring.total_bytes)
         try:
             raise SharedMemoryError(message) from error
         except SharedMemoryError:

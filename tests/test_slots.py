@@ -5,8 +5,11 @@ import collections
 import gc
 import inspect
 import os
+import subprocess
+import sys
 import warnings
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -229,39 +232,68 @@ def test_default_collate_spill_is_not_corrupted_by_slot_reuse():
             assert names == tuple("x" * 9000 + str(i) for i in range(b * 4, b * 4 + 4))
 
 
-@pytest.mark.parametrize("reason", ["spill", "ring_full"])
-def test_no_room_for_torchs_transport_beside_the_ring_says_what_to_change(monkeypatch, reason):
-    """A batch that the ring cannot take goes by torch's transport; where that finds
-    /dev/shm full (the ring keeping its room), the batch's error is still torch's
-    RuntimeError, says why, and names what to change; the next batches come."""
-    real = _layout.dumps_detached
+NO_ROOM_SCRIPT = """
+import sys, warnings, torch, torch.utils.data as tud
+import shmloader
+from tests.datasets_lifecycle import Images
 
-    def no_room(message, owns):  # torch's words for a full /dev/shm
-        if message[0] == "batch" and message[2] == reason:
-            raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_3>: "
-                               "No space left on device (28)")
-        return real(message, owns)
+class Growing(tud.Dataset):  # batches of 2 grow from 2 KB to 12 KB
+    def __len__(self): return 12
+    def __getitem__(self, i): return torch.full((1000 * (i // 2 + 1),), i, dtype=torch.uint8)
 
-    monkeypatch.setattr(_layout, "dumps_detached", no_room)  # the forked workers' too
-    why = "did not fit its ring slot" if reason == "spill" else "every ring slot was in use"
-    loader = DataLoader(Images(64, shape=(3, 32, 32)), batch_size=4, num_workers=2, num_slots=1,
-                        slot_bytes=SLOT if reason == "ring_full" else 1024)
-    got, errors = 0, 0
-    it = iter(loader)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        held = []
-        for _ in range(16):
-            try:
-                held.append(next(it))  # kept: with one slot, the ring is full at once
-                got += 1
-            except RuntimeError as e:
-                assert isinstance(e, SharedMemoryError)
-                assert why in str(e) and "No space left on device" in str(e), str(e)
-                change = "Pass slot_bytes=" if reason == "spill" else "Keep clones"
-                assert change in str(e) and "bytes of /dev/shm" in str(e)
-                errors += 1
-    assert errors > 0 and got + errors == 16
+warnings.simplefilter("ignore")
+loader = {
+    "torch": lambda: tud.DataLoader(Growing(), batch_size=2, num_workers=1),
+    "spill": lambda: shmloader.DataLoader(Growing(), batch_size=2, num_workers=1, slot_bytes=4096),
+    "ring_full": lambda: shmloader.DataLoader(Images(24, shape=(3, 32, 32)), batch_size=2,
+                                              num_workers=1, num_slots=1, slot_bytes=1 << 16),
+}[sys.argv[1]]()
+held, it = [], iter(loader)
+for _ in range(len(loader)):
+    try:
+        held.append(next(it))  # kept: with one slot, the ring is full at once
+        print("batch")
+    except RuntimeError as e:
+        print(type(e).__name__, " ".join(str(e).split()))
+"""
+
+
+@pytest.fixture(scope="module")
+def no_room_for_torch(tmp_path_factory):
+    """An LD_PRELOAD library under which torch's shared memory finds /dev/shm full."""
+    source = Path(__file__).parent / "c" / "no_room_for_torch.c"
+    library = tmp_path_factory.mktemp("shim") / "no_room_for_torch.so"
+    build = subprocess.run([os.environ.get("CC", "gcc"), "-shared", "-fPIC", "-O1", str(source),
+                            "-o", str(library), "-ldl"], capture_output=True, text=True)
+    if build.returncode:
+        pytest.skip(f"gcc could not build the shim: {build.stderr}")
+    return library
+
+
+@pytest.mark.parametrize("case", ["spill", "ring_full"])
+def test_no_room_for_torchs_shared_memory_beside_the_ring_says_what_to_change(no_room_for_torch, case):
+    """/dev/shm full for torch's shared memory (a collate's in a worker, or its transport's)
+    while the ring keeps its room: batches that outgrew their slot, or came while every slot
+    was held, fail as torch's do (a RuntimeError with torch's words) and the error says that
+    the ring keeps part of /dev/shm and what to change; the batches that fit the ring come."""
+    def run(which):
+        root = Path(__file__).parent.parent
+        out = subprocess.run([sys.executable, "-c", NO_ROOM_SCRIPT, which], cwd=root, timeout=120,
+                             env={**os.environ, "LD_PRELOAD": str(no_room_for_torch)},
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    torch_lines = run("torch")
+    assert all(line.startswith("RuntimeError") and "unable to allocate shared memory" in line
+               for line in torch_lines), torch_lines  # the shim works: torch fails them all
+    lines = run(case)
+    errors = [line for line in lines if line != "batch"]
+    assert errors and len(errors) < len(lines), lines
+    for line in errors:
+        assert line.startswith("SharedMemoryError"), line  # a RuntimeError (caught as one)
+        assert "unable to allocate shared memory" in line and "No space left on device" in line
+        assert "ring keeps" in line and "slot_bytes=" in line and "clones" in line, line
 
 
 def test_slot_size_learned_from_first_batch():
