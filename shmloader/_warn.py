@@ -40,7 +40,10 @@ class WarnsBetweenBatches:
         try:
             warn(message)
         except Warning as error:
-            self._deferred_warnings.append((error, flag))
+            # Without its traceback, whose frames hold this iterator: kept, it
+            # would make a cycle that only the garbage collector ends, and an
+            # iterator left with it unraised (a break) would keep its workers.
+            self._deferred_warnings.append((error.with_traceback(None), flag))
 
     def _raise_deferred_warning(self) -> None:
         raise self._deferred_warnings.pop(0)[0]

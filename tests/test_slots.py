@@ -18,6 +18,7 @@ import torch
 from shmloader import DataLoader, SharedMemoryError, _layout
 from tests import datasets as D
 from tests.datasets_lifecycle import Images
+from tests.procs import wait_gone
 
 # Slots held by batches are what these tests are about: small leaves stay views.
 pytestmark = pytest.mark.usefixtures("views_only")
@@ -135,6 +136,51 @@ def test_a_warning_left_unraised_comes_again_next_epoch():
                 raised.append((epoch, len(kept), "all 8 ring slots are in use" in str(warning)))
             del it, kept
     assert raised == [(1, 5, True)], raised
+
+
+class _GrowingBatches(torch.utils.data.Sampler):
+    """Batches of 1 sample, then one of 50, which outgrows a ring sized from the first."""
+
+    def __len__(self):
+        return 10
+
+    def __iter__(self):
+        start = 0
+        for n in [1] * 8 + [50, 1]:
+            yield list(range(start, start + n))
+            start += n
+
+
+def test_an_iterator_left_with_a_warning_unraised_goes_at_once_and_the_warning_comes_again():
+    """A loop that breaks right after the batch whose next() met the spill warning (made
+    an error) leaves that warning unraised: its iterator still goes as soon as the loop
+    drops it, workers included (no reference cycle for the garbage collector to find), and
+    the next epoch raises the warning again where its cause comes."""
+    loader = DataLoader(Images(64, shape=(3, 64, 64)), batch_sampler=_GrowingBatches(), num_workers=2)
+    gc.disable()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            it = iter(loader)
+            for _ in range(9):  # up to the batch that spilled
+                next(it)
+            assert it._deferred_warnings  # met, not raised yet
+            pids, gone = it._pool.pids, weakref.ref(it)
+            del it
+            assert gone() is None
+            raised = []
+            it = iter(loader)
+            for k in range(10):
+                try:
+                    next(it)
+                except UserWarning as warning:
+                    raised.append((k, "did not fit" in str(warning)))
+                    next(it)  # the batch whose next() it was raised before
+            del it
+    finally:
+        gc.enable()
+    assert raised == [(9, True)], raised
+    assert wait_gone(pids, 30)[0] == []
 
 
 class _StreamWithBigState(torch.utils.data.IterableDataset):
