@@ -705,12 +705,16 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         if kind == "row_error":
             self._row_errors.setdefault(msg[1], {})[msg[2]] = msg[3:5]
             return None
-        if kind == "batch" and msg[2] == "no_ring" and self._handover.learned_slot_bytes is None:
+        if kind == "batch" and msg[2] == "no_ring" and self._ring is None:
             # The first batch sizes the ring, with headroom for batches that
             # vary a little; bigger ones spill.  The ring is made at the next
-            # next() call, so that its prefaulting does not delay this batch.
+            # next() call, so that its prefaulting does not delay this batch;
+            # until then the largest batch that arrived counts (a later batch
+            # may arrive before the first one, and be smaller).
             needed = msg[4]
-            self._handover.learned_slot_bytes = needed + needed // 16 + 65536
+            learned = needed + needed // 16 + 65536
+            if learned > (self._handover.learned_slot_bytes or 0):
+                self._handover.learned_slot_bytes = learned
         return msg[1], msg
 
     def _get_data(self):

@@ -7,6 +7,7 @@ import inspect
 import os
 import subprocess
 import sys
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -340,6 +341,41 @@ def test_no_room_for_torchs_shared_memory_beside_the_ring_says_what_to_change(no
         assert line.startswith("SharedMemoryError"), line  # a RuntimeError (caught as one)
         assert "unable to allocate shared memory" in line and "No space left on device" in line
         assert "ring keeps" in line and "slot_bytes=" in line and "clones" in line, line
+
+
+class _SlowLargeFastSmall(torch.utils.data.Dataset):
+    """Samples below 1000 are slow to fetch (the even batches' 32), the others fast."""
+
+    def __len__(self):
+        return 2000
+
+    def __getitem__(self, i):
+        if i < 1000:
+            time.sleep(0.002)
+        return torch.zeros(3, 32, 32)
+
+
+class _LargeThenSmall(torch.utils.data.Sampler):
+    """Even batches of 32 slow samples, odd ones of 2 fast ones."""
+
+    def __len__(self):
+        return 8
+
+    def __iter__(self):
+        for k in range(8):
+            yield list(range(k * 32, k * 32 + 32)) if k % 2 == 0 else [1000 + 2 * k, 1001 + 2 * k]
+
+
+def test_slot_size_learned_from_the_first_batch_even_when_a_smaller_one_arrives_first():
+    """Batch 1 (small, fast) arrives before batch 0 (large, slow): the ring is still
+    sized for batch 0, so no batch as large as it spills."""
+    loader = DataLoader(_SlowLargeFastSmall(), batch_sampler=_LargeThenSmall(), num_workers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sizes = [len(batch) for batch in loader]
+    assert sizes == [32, 2] * 4
+    stats = loader.stats()
+    assert stats.slot_bytes >= 32 * 3 * 32 * 32 * 4 and stats.spilled_batches == 0, stats
 
 
 def test_slot_size_learned_from_first_batch():
