@@ -177,20 +177,36 @@ class _DetachPickler(ForkingPickler):
     def __init__(self, file, owns):
         super().__init__(file)  # torch's protocol, as in _RefPickler
         self._owns = owns
+        self.shared_bytes = 0  # of the storages torch's transport shares, not pickles
+        self._shared = set()
 
     def reducer_override(self, obj):
-        if self._owns is not None and type(obj) is torch.Tensor and self._owns(obj):
-            return _identity, (obj.clone(),)
+        if type(obj) is not torch.Tensor:
+            return NotImplemented
+        if self._owns is not None and self._owns(obj):
+            obj = obj.clone()
+            self._count(obj)
+            return _identity, (obj,)
+        self._count(obj)
         return NotImplemented
 
+    def _count(self, tensor) -> None:
+        if tensor.layout == torch.strided and tensor.device.type == "cpu":
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self._shared:  # views of one storage: once
+                self._shared.add(storage.data_ptr())
+                self.shared_bytes += storage.nbytes()
 
-def dumps_detached(obj, owns) -> bytes:
+
+def dumps_detached(obj, owns) -> tuple[bytes, int]:
     """Pickle `obj` for torch's transport, copying out every tensor for which
     owns(tensor) is true (owns may be None), so the result shares no memory
-    with the slot."""
+    with the slot.  Returns the pickle and the bytes of the CPU tensor
+    storages that torch's transport shares beside it."""
     buf = io.BytesIO()
-    _DetachPickler(buf, owns).dump(obj)
-    return buf.getvalue()
+    pickler = _DetachPickler(buf, owns)
+    pickler.dump(obj)
+    return buf.getvalue(), pickler.shared_bytes
 
 
 def span_elements(shape, stride) -> int:

@@ -39,8 +39,11 @@ class LoaderStats:
     prefetched_epochs: epochs that began with batches prefetched during the
         previous one (prefetch_next_epoch).
     ring_slots, slot_bytes: the current ring's geometry (0 before it exists).
-    workers: per worker, see WorkerStats (counted while a ring exists).
-    bytes_moved: bytes workers wrote into slots or sent by torch's transport.
+    workers: per worker, see WorkerStats (work done before a worker had the
+        ring is added once it has it: a worker that exits first, as a
+        non-persistent one may in a short epoch, leaves it out).
+    bytes_moved: bytes workers wrote into slots or sent by torch's transport
+        (its pickles and the tensor storages it shares).
     """
 
     batches: int = 0

@@ -561,12 +561,14 @@ class _Work:
             # pickled becomes this task's error instead of killing the worker;
             # tensors stacked into the slot are copied out, since the slot is
             # given back below and may be refilled at once.
-            reply = _layout.dumps_detached(("batch", task_id, reason, data, needed, samples, state),
-                                           arena.owns if arena is not None else None)
+            reply, shared_bytes = _layout.dumps_detached(
+                ("batch", task_id, reason, data, needed, samples, state),
+                arena.owns if arena is not None else None)
         except Exception as e:
-            reply = ("error", task_id, self._batch_error(e))
+            reply, shared_bytes = ("error", task_id, self._batch_error(e)), 0
         self.give_back(slot)
-        self.busy.add(self.slots, samples, 1, len(reply) if isinstance(reply, bytes) else 0)
+        self.busy.add(self.slots, samples, 1,
+                      len(reply) + shared_bytes if isinstance(reply, bytes) else 0)
         return reply, False
 
     # ---- fetch="sample" -------------------------------------------------------

@@ -158,6 +158,24 @@ def test_spills_counted_batch_mode():
     assert stats.spilled_batches >= 1 and stats.slot_batches >= 1
     assert stats.spilled_batches + stats.slot_batches == 10
     assert f"{stats.spilled_batches} spilled" in str(stats)
+    assert stats.bytes_moved >= sum(2 ** (i + 8) for i in range(10))  # spilled ones included
+
+
+@pytest.mark.parametrize("slot_bytes", [None, 1000])
+def test_bytes_moved_counts_the_tensors_torchs_transport_shares(slot_bytes):
+    """Batches before the ring is sized (slot_bytes=None) or spilled (every one, with
+    1000-byte slots) go by torch's transport: their tensors' bytes count as moved too."""
+    dataset = [torch.full((3, 64, 64), float(i)) for i in range(64)]
+    loader = DataLoader(dataset, batch_size=8, num_workers=2, persistent_workers=True,
+                        slot_bytes=slot_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):  # the work before the ring counts once the workers have it
+            run_epochs(loader, keep=False)
+    stats = loader.stats()
+    consistent(stats)
+    assert stats.slot_batches < stats.batches == 16
+    assert stats.bytes_moved >= 2 * 64 * 3 * 64 * 64 * 4, stats.bytes_moved
 
 
 def test_spills_counted_sample_mode():
