@@ -4,13 +4,13 @@ As many processes as the loaders have workers, started by multiprocessing's defa
 method (what torch and shmloader use when multiprocessing_context is None), take the
 same batches of indices in the same round-robin order, fetch them from the same dataset
 object with torch's own fetcher (the dataset's __getitem__ for every index), and collate
-them as torch's default_collate does (torch.stack(..., out=...) per tensor leaf) - but
-into a shared-memory buffer of their own, allocated and touched before any timing and
-reused by every batch. Nothing reaches the main process except one message per worker
-per epoch, so the limit is the cost of the work itself: a loader's fraction of it says
-how much its transport costs. The stacking copy is torch's; shmloader copies plain rows
-with non-temporal stores instead, which is cheaper for samples of megabytes (about 10%
-with two workers on two cores), so it may come out a little above 100% of the limit.
+them as torch's default_collate does - but into a shared-memory buffer of their own,
+allocated and touched before any timing and reused by every batch. Nothing reaches the
+main process except one message per worker per epoch, so the limit is the cost of the
+work itself: a loader's fraction of it says how much its transport costs. Tensor leaves
+are stacked as shmloader's workers stack them, the cheaper of the two loaders' copies:
+large rows of one plain layout with non-temporal stores (cheaper than torch.stack for
+samples of megabytes), anything else with torch.stack(..., out=...) as torch's collate does.
 
 One thing is not left to chance: whether malloc hands a batch's freed samples back to
 the kernel, to be faulted in again, page by page, by the next batch's. That depends on
@@ -31,7 +31,10 @@ from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from measure import BenchmarkError, Epoch, Spec, consume
 
+from shmloader._arena import streams_rows
 from shmloader._malloc import keep_freed_memory
+from shmloader._ring import Ring, copy_stream
+from shmloader._rings import SHM_DIR
 
 ALIGN = 64  # bytes: each leaf starts on a cache line, as in shmloader's slots
 
@@ -45,8 +48,9 @@ class BufferCollate:
     """torch's default_collate, except that every tensor it makes is placed in one
     preallocated buffer, front to back, overwriting the previous batch."""
 
-    def __init__(self, buffer: torch.Tensor):
-        self._buffer = buffer
+    def __init__(self, memory: Any):
+        self._memory = memory  # a slot's memory (shmloader's Ring), for copy_stream
+        self._buffer = torch.frombuffer(memory, dtype=torch.uint8)
         self._used = 0
         self._map = {**default_collate_fn_map, torch.Tensor: self._stack, int: self._numbers, float: self._numbers}
 
@@ -62,9 +66,16 @@ class BufferCollate:
         return self._buffer[start:self._used].view(dtype).view(shape)
 
     def _stack(self, batch: list[torch.Tensor], *, collate_fn_map=None) -> torch.Tensor:
-        # What collate_tensor_fn does in a worker, with this buffer as `out`.
+        # What collate_tensor_fn does in a worker, with this buffer as `out`; plain rows
+        # copied as shmloader's workers copy them (see _arena.Arena.stack).
         elem = batch[0]
-        return torch.stack(batch, 0, out=self._take(elem.dtype, (len(batch), *elem.shape)))
+        out = self._take(elem.dtype, (len(batch), *elem.shape))
+        if not streams_rows(batch):
+            return torch.stack(batch, 0, out=out)
+        offset = out.data_ptr() - self._buffer.data_ptr()
+        for i, row in enumerate(batch):
+            copy_stream(self._memory, offset + i * elem.nbytes, row.data_ptr(), elem.nbytes)
+        return out
 
     def _numbers(self, batch: list, *, collate_fn_map=None) -> torch.Tensor:
         made = default_collate_fn_map[type(batch[0])](batch)  # torch.tensor(batch), as torch does
@@ -75,10 +86,12 @@ def _worker(dataset: Any, batches: list[list[int]], nbytes: int, spec: Spec, con
     """Allocate and touch the buffer, then run an epoch of `batches` per request."""
     torch.set_num_threads(1)  # as torch's worker loop (and shmloader's) does
     keep_freed_memory()
-    buffer = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
-    buffer.fill_(0)  # fault every page in now, not in the first timed epoch
+    ring = Ring.create_in(SHM_DIR, 1, nbytes)  # shared memory as a loader's slot is
+    ring.reserve(0)
+    collate = BufferCollate(ring.memory(0))
+    collate._buffer.fill_(0)  # fault every page in now, not in the first timed epoch
     fetcher = _DatasetKind.create_fetcher(_DatasetKind.Map, dataset, auto_collation=True,
-                                          collate_fn=BufferCollate(buffer), drop_last=False)
+                                          collate_fn=collate, drop_last=False)
     try:
         conn.send("ready")
         while conn.recv():

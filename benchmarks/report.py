@@ -177,7 +177,8 @@ def table(record: dict[str, Any]) -> str:
     rows += [[name, *(c.ratio_cell(r) for c in _COLUMNS)] for name, r in record["ratios"].items()]
     lines = [title, *aligned([["loader", *(c.heading for c in _COLUMNS)], *rows])]
     lines.append(f"{LIMIT}: the same {workers_label(s['workers'])} fetching the same batches and stacking them "
-                 "(torch.stack) into shared memory of their own, with no hand-off")
+                 "(large plain rows as shmloader copies them, the rest with torch.stack) into shared memory of their "
+                 "own, with no hand-off")
     check = record["correctness"]
     if check["compared"]:
         lines.append(f"equality check: {' and '.join(check['compared'])} yielded the same "

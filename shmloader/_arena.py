@@ -116,12 +116,13 @@ class Arena:
         )
 
     def stack(self, batch) -> torch.Tensor:
-        """torch.stack(batch) into the slot.  Rows that are plain contiguous
-        copies of the first one's layout are copied bypassing the cache;
-        anything else (and every error) is torch.stack's."""
+        """torch.stack(batch) into the slot.  Large rows that are plain
+        contiguous copies of the first one's layout are copied bypassing the
+        cache (see streams_rows); anything else (and every error) is
+        torch.stack's."""
         elem = batch[0]
         out = self.tensor(elem.dtype, (len(batch), *elem.shape))
-        if not all(_plain_like(t, elem) for t in batch):
+        if not streams_rows(batch):
             return torch.stack(batch, 0, out=out)
         nbytes = elem.nbytes
         offset = out.storage_offset() * elem.dtype.itemsize
@@ -207,7 +208,22 @@ class Arena:
         return offset, len(meta)
 
 
-def _plain_like(t, elem) -> bool:
+# Rows of at least this many bytes are copied with non-temporal stores: a batch
+# of them outgrows the caches, which such stores neither read into nor evict the
+# worker's data from.  Smaller rows go through torch.stack, one call for the
+# batch, where a call per row costs more than the copy (with a call per row,
+# the benchmark's limit on 64-row batches of 1 KiB ran at a third of its rate).
+STREAM_ROW_BYTES = 64 * 1024
+
+
+def streams_rows(batch) -> bool:
+    """Whether a batch of tensors is stacked row by row with non-temporal
+    stores: rows that large, each a plain copy of the first one's layout."""
+    elem = batch[0]
+    return elem.nbytes >= STREAM_ROW_BYTES and all(plain_like(t, elem) for t in batch)
+
+
+def plain_like(t, elem) -> bool:
     """A row a raw byte copy stacks exactly as torch.stack would."""
     return (
         type(t) is torch.Tensor
