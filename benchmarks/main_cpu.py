@@ -11,7 +11,9 @@ between batches. The dataset returns the same small tensor for every index, with
 copy, so the workers stream almost nothing; a sleep in one sample of each batch spaces
 the batches out without using a core. Each row is one loader over the same dataset
 object, 2 workers, persistent, the consumer reading one element per tensor as bench.py's
-does; figures are main-process CPU (time.process_time) per batch, median of 3 epochs.
+does; figures are main-process CPU (time.process_time) per batch, median of 3 epochs
+after a warm-up one, the two loaders' epochs interleaved (each first in turn), with
+each loader's own time between batches beside it (torch's back to back is slower).
 If the CPU per batch grows with the interval alone, it is the cost of running the same
 code on caches that other processes have since filled (the main process sleeps in
 poll() between batches), not work that grows with batch bytes. Figures go to
@@ -34,6 +36,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "main_cpu.json"
 WORKERS = 2
 BATCH_SIZE = 64
 INTERVALS_MS = (0.0, 0.5, 5.0, 25.0)  # target time between batches
+EPOCHS = 3  # timed epochs per loader, after a warm-up one
 
 
 class SpacedBatches(Dataset):
@@ -54,21 +57,15 @@ class SpacedBatches(Dataset):
         return self.sample, index
 
 
-def cpu_ms_per_batch(loader, epochs: int = 3) -> tuple[float, float]:
-    """(main-process CPU ms per batch, wall ms per batch), medians over epochs after a
-    warm-up epoch."""
-    for _ in loader:
-        pass
-    cpu, wall = [], []
-    for _ in range(epochs):
-        batches = 0
-        cpu_start, wall_start = time.process_time(), time.perf_counter()
-        for data, _ in loader:
-            data[0, 0].item()
-            batches += 1
-        cpu.append((time.process_time() - cpu_start) / batches * 1e3)
-        wall.append((time.perf_counter() - wall_start) / batches * 1e3)
-    return statistics.median(cpu), statistics.median(wall)
+def epoch_ms_per_batch(loader) -> tuple[float, float]:
+    """(main-process CPU ms per batch, wall ms per batch) of one epoch."""
+    batches = 0
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
+    for data, _ in loader:
+        data[0, 0].item()
+        batches += 1
+    return ((time.process_time() - cpu_start) / batches * 1e3,
+            (time.perf_counter() - wall_start) / batches * 1e3)
 
 
 def main(argv=None) -> None:
@@ -82,16 +79,27 @@ def main(argv=None) -> None:
         batches = 200 if interval_ms < 1 else (40 if args.quick else 80)
         dataset = SpacedBatches(batches, interval_ms)
         row = {"interval_ms": interval_ms, "batches": batches}
-        for name, cls in (("torch", torch.utils.data.DataLoader), ("shmloader", shmloader.DataLoader)):
-            print(f"{name}: batches every ~{interval_ms} ms ...", file=sys.stderr)
-            loader = cls(dataset, batch_size=BATCH_SIZE, num_workers=WORKERS, persistent_workers=True)
-            row[f"{name}_cpu_ms"], row[f"{name}_wall_ms"] = cpu_ms_per_batch(loader)
-            del loader
+        print(f"batches every ~{interval_ms} ms ...", file=sys.stderr)
+        loaders = {name: cls(dataset, batch_size=BATCH_SIZE, num_workers=WORKERS, persistent_workers=True)
+                   for name, cls in (("torch", torch.utils.data.DataLoader),
+                                     ("shmloader", shmloader.DataLoader))}
+        for loader in loaders.values():  # a warm-up epoch each
+            epoch_ms_per_batch(loader)
+        figures = {name: [] for name in loaders}
+        for rep in range(EPOCHS):  # interleaved, each loader first in turn
+            for name in (list(loaders) if rep % 2 == 0 else list(loaders)[::-1]):
+                figures[name].append(epoch_ms_per_batch(loaders[name]))
+        for name, epochs in figures.items():
+            row[f"{name}_cpu_ms"] = statistics.median(cpu for cpu, _ in epochs)
+            row[f"{name}_wall_ms"] = statistics.median(wall for _, wall in epochs)
+        del loaders
         rows.append(row)
-    lines = [["time between batches", "torch CPU ms/batch", "shmloader CPU ms/batch"]]
+    lines = [["target between batches", "torch: between batches", "CPU ms/batch",
+              "shmloader: between batches", "CPU ms/batch"]]
     for row in rows:
-        lines.append([f"{row['shmloader_wall_ms']:.2f} ms (target {row['interval_ms']} ms)",
-                      f"{row['torch_cpu_ms']:.3f}", f"{row['shmloader_cpu_ms']:.3f}"])
+        lines.append([f"{row['interval_ms']} ms",
+                      f"{row['torch_wall_ms']:.2f} ms", f"{row['torch_cpu_ms']:.3f}",
+                      f"{row['shmloader_wall_ms']:.2f} ms", f"{row['shmloader_cpu_ms']:.3f}"])
     print("\n".join(report.aligned(lines)))
     document["rows"] = rows
     report.write_json(document, args.out)
