@@ -9,7 +9,7 @@ batch on every workload (see shmloader/_iterator.py). This separates the two thi
 that differ: how much memory the workers stream, and how long the main process sleeps
 between batches. The dataset returns the same small tensor for every index, with no
 copy, so the workers stream almost nothing; a sleep in one sample of each batch spaces
-the batches out without using a core. Each row is one loader over the same dataset
+the batches out without using a core. Each row is both loaders over the same dataset
 object, 2 workers, persistent, the consumer reading one element per tensor as bench.py's
 does; figures are main-process CPU (time.process_time) per batch, median of 3 epochs
 after a warm-up one, the two loaders' epochs interleaved (each first in turn), with
