@@ -1,7 +1,7 @@
 """torch's DataLoader against shmloader's, side by side, on the same dataset objects, with
 the transport-free limit of the same work measured in the same run.
 
-    python benchmarks/bench.py --quick     # the six workloads, 2 workers: about a minute on 2 cores
+    python benchmarks/bench.py --quick     # the six workloads, 2 workers: about 90 s on 2 cores
     python benchmarks/bench.py             # full: the six workloads and the size sweep, with
                                            # 1, 2 and 4 workers and two batch sizes each
     python benchmarks/bench.py --preset jpeg --workers 4 [--batch-size 64] [--loaders torch]
