@@ -191,7 +191,8 @@ class _DetachPickler(ForkingPickler):
         return NotImplemented
 
     def _count(self, tensor) -> None:
-        if tensor.layout == torch.strided and tensor.device.type == "cpu":
+        if tensor.layout == torch.strided and tensor.device.type == "cpu" \
+                and not tensor.is_nested:
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in self._shared:  # views of one storage: once
                 self._shared.add(storage.data_ptr())
