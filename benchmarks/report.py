@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ import numpy
 import torch
 
 from measure import Epoch, psutil
+
+import shmloader
 
 REFERENCE = "torch"
 LIMIT = "limit"  # the transport-free limit's name in epochs, records and charts
@@ -78,7 +81,23 @@ def machine() -> dict[str, Any]:
         "numpy": numpy.__version__,
         "psutil": psutil.__version__ if psutil else None,
         "shmloader": _installed_version("shmloader"),
+        "shmloader_path": os.path.dirname(shmloader.__file__),
+        "shmloader_commit": _commit(os.path.dirname(shmloader.__file__)),
     }
+
+
+def _commit(path: str) -> str | None:
+    """The git commit of the checkout that holds `path`, "+" if it has changes."""
+    try:
+        head = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", path, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except OSError:  # no git
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
 def new_document(**fields: Any) -> dict[str, Any]:
@@ -100,7 +119,7 @@ def workers_label(workers: int) -> str:
 
 def machine_line(m: dict[str, Any]) -> str:
     return (f"{m['cores']} cores ({m['cpu_model']}), {m['memory_bytes'] / 2**30:.1f} GiB, Python {m['python']}, "
-            f"torch {m['torch']}, numpy {m['numpy']}, {m['platform']}")
+            f"torch {m['torch']}, numpy {m['numpy']}, {m['platform']}, shmloader at {m['shmloader_commit']}")
 
 
 def _cpu_model() -> str | None:
@@ -157,7 +176,7 @@ class Column:
 
 _COLUMNS = [
     Column("samples/s", ("samples_per_s",), "{:,.0f}", ratio=True),
-    Column("GB/s", ("gb_per_s",), "{:.2f}", ratio=True),
+    Column("GB/s", ("gb_per_s",), "{:.3g}", ratio=True),
     Column("fraction of limit", ("fraction_of_limit",), "{:.0%}"),
     Column("spread", ("throughput_spread",), "{:.0%}"),
     Column("main CPU ms/batch", ("cpu_s_per_batch",), "{:.2f}", scale=1e3, ratio=True),
@@ -176,6 +195,7 @@ def table(record: dict[str, Any]) -> str:
     rows = [[name, *(c.cell(figs) for c in _COLUMNS)] for name, figs in figures_rows]
     rows += [[name, *(c.ratio_cell(r) for c in _COLUMNS)] for name, r in record["ratios"].items()]
     lines = [title, *aligned([["loader", *(c.heading for c in _COLUMNS)], *rows])]
+    lines.append("ratios: higher is better for samples/s and GB/s; lower for CPU, first batch and memory")
     lines.append(f"{LIMIT}: the same {workers_label(s['workers'])} fetching the same batches and stacking them "
                  "(large plain rows as shmloader copies them, the rest with torch.stack) into shared memory of their "
                  "own, with no hand-off")
