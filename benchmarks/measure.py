@@ -108,11 +108,14 @@ def checked_warm_up(loaders: dict[str, Any]) -> tuple[Spec, int]:
 
 def interleaved(runners: dict[str, Callable[[], Result]], reps: int, progress: Callable[[str], None],
                 what: str) -> dict[str, list[Result]]:
-    """Every runner's results over `reps` repetitions, run in turn (a, b, a, b, ...) so
-    that machine noise hits them alike; `what` names a repetition in the progress line."""
+    """Every runner's results over `reps` repetitions, run in turn, the order reversed
+    every other repetition (a, b, c, c, b, a, ...) so that machine noise, and what the
+    run before leaves in the caches, hit them alike; `what` names a repetition in the
+    progress line."""
     results = {name: [] for name in runners}
     for rep in range(reps):
-        for name, run in runners.items():
+        order = list(runners.items())
+        for name, run in (order if rep % 2 == 0 else order[::-1]):
             progress(f"{name}: {what} {rep + 1}/{reps}")
             results[name].append(run())
     return results
