@@ -51,6 +51,7 @@ class BufferCollate:
     def __init__(self, memory: Any):
         self._memory = memory  # a slot's memory (shmloader's Ring), for copy_stream
         self._buffer = torch.frombuffer(memory, dtype=torch.uint8)
+        self._buffer.fill_(0)  # fault every page in now, not in the first timed epoch
         self._used = 0
         self._map = {**default_collate_fn_map, torch.Tensor: self._stack, int: self._numbers, float: self._numbers}
 
@@ -88,10 +89,8 @@ def _worker(dataset: Any, batches: list[list[int]], nbytes: int, spec: Spec, con
     keep_freed_memory()
     ring = Ring.create_in(SHM_DIR, 1, nbytes)  # shared memory as a loader's slot is
     ring.reserve(0)
-    collate = BufferCollate(ring.memory(0))
-    collate._buffer.fill_(0)  # fault every page in now, not in the first timed epoch
     fetcher = _DatasetKind.create_fetcher(_DatasetKind.Map, dataset, auto_collation=True,
-                                          collate_fn=collate, drop_last=False)
+                                          collate_fn=BufferCollate(ring.memory(0)), drop_last=False)
     try:
         conn.send("ready")
         while conn.recv():

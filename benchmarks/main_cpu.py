@@ -12,7 +12,7 @@ copy, so the workers stream almost nothing; a sleep in one sample of each batch 
 the batches out without using a core. Each row is both loaders over the same dataset
 object, 2 workers, persistent, the consumer reading one element per tensor as bench.py's
 does; figures are main-process CPU (time.process_time) per batch, median of 3 epochs
-after a warm-up one, the two loaders' epochs interleaved (each first in turn), with
+after a warm-up one, the two loaders' epochs interleaved (see measure.interleaved), with
 each loader's own time between batches beside it (torch's back to back is slower).
 If the CPU per batch grows with the interval alone, it is the cost of running the same
 code on caches that other processes have since filled (the main process sleeps in
@@ -20,6 +20,7 @@ poll() between batches), not work that grows with batch bytes. Figures go to
 results/main_cpu.json.
 """
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -29,6 +30,7 @@ import torch
 from torch.utils.data import Dataset
 
 import report
+from measure import interleaved
 
 import shmloader
 
@@ -55,6 +57,10 @@ class SpacedBatches(Dataset):
         if self.sleep_s and index % BATCH_SIZE == 0:
             time.sleep(self.sleep_s)
         return self.sample, index
+
+
+def _quiet(line: str) -> None:
+    """No progress line per epoch: the interval's line says what runs."""
 
 
 def epoch_ms_per_batch(loader) -> tuple[float, float]:
@@ -85,10 +91,8 @@ def main(argv=None) -> None:
                                      ("shmloader", shmloader.DataLoader))}
         for loader in loaders.values():  # a warm-up epoch each
             epoch_ms_per_batch(loader)
-        figures = {name: [] for name in loaders}
-        for rep in range(EPOCHS):  # interleaved, each loader first in turn
-            for name in (list(loaders) if rep % 2 == 0 else list(loaders)[::-1]):
-                figures[name].append(epoch_ms_per_batch(loaders[name]))
+        figures = interleaved({name: functools.partial(epoch_ms_per_batch, loader)
+                               for name, loader in loaders.items()}, EPOCHS, _quiet, "epoch")
         for name, epochs in figures.items():
             row[f"{name}_cpu_ms"] = statistics.median(cpu for cpu, _ in epochs)
             row[f"{name}_wall_ms"] = statistics.median(wall for _, wall in epochs)

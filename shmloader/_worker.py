@@ -671,17 +671,18 @@ class _Work:
         if self.slots is None or not (isinstance(error, RuntimeError)
                                       and "unable to allocate shared memory" in str(error)):
             return ExceptionWrapper(where=self.where)
-        message = transport_shm_full_message(str(error), self.slots.ring.total_bytes)
-        try:
-            raise SharedMemoryError(message) from error
-        except SharedMemoryError:
-            return ExceptionWrapper(where=self.where)
+        return self._shm_error(transport_shm_full_message(str(error), self.slots.ring.total_bytes),
+                               error)
 
     def _shm_full(self, cause: OSError):
         """A slot's pages could not be reserved: its batch's error (torch's
         transport would need the same /dev/shm, so there is no fallback)."""
+        return self._shm_error(shm_full_message(str(cause)), cause)
+
+    def _shm_error(self, message: str, cause: Exception):
+        """The ExceptionWrapper of a SharedMemoryError raised from `cause`."""
         try:
-            raise SharedMemoryError(shm_full_message(str(cause))) from cause
+            raise SharedMemoryError(message) from cause
         except SharedMemoryError:
             return ExceptionWrapper(where=self.where)
 
