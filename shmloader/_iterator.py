@@ -47,7 +47,7 @@ from ._rings import (SharedMemoryError, create_ring, idle_ring_held_by, idle_rin
                      make_room_for_the_rest, release_idle_rings, reserve_in_background, retire,
                      ring_in_use_by, short_room_message, slots_with_room)
 from ._sampler_state import PrefetchedEpoch, can_prefetch
-from ._warn import WarnsBetweenBatches, call_as_torch
+from ._warn import WarnsBetweenBatches, init_as_torch
 from ._worker import MEASURE, NO_SLOT
 
 # Slots beyond the prefetch_factor * num_workers batches in flight: the batch
@@ -66,7 +66,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         resume = loader._resume
         rng_before = torch.get_rng_state() if resume is not None and loader.generator is None \
             else None
-        call_as_torch(super().__init__, loader)  # its warnings are torch's
+        init_as_torch(super().__init__, loader)  # its warnings are torch's
         self._prefetch_factor = loader.prefetch_factor
         if self._prefetch_factor <= 0:  # torch's check, after the same draws
             raise AssertionError(
@@ -183,10 +183,18 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
     def _known_slot_bytes(self) -> int | None:
         """The slot size a ring can be made with before any batch of this
         iterator: fetch="sample"'s layout, the user's, or the one learned."""
+        learned = self._handover.learned_slot_bytes
         if self._fetch == "sample":
+            # (learned: a longer batch than the layout's spilled.)
             layout = self._handover.sample_layout
-            return layout.slot_bytes if layout is not None else None
-        return self._slot_bytes or self._handover.learned_slot_bytes
+            return max(layout.slot_bytes, learned or 0) if layout is not None else None
+        return self._slot_bytes or learned
+
+    def _outgrown(self) -> bool:
+        """Whether a batch did not fit this iterator's slots (with
+        slot_bytes=None): a ring made now would have larger ones."""
+        wanted = self._known_slot_bytes()
+        return wanted is not None and self._ring.slot_bytes < wanted + self._state_bytes
 
     def _start_ring(self, slot_bytes: int) -> None:
         self._open_ring(slot_bytes)
@@ -326,11 +334,12 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
     def _reset(self, loader, first_iter=False) -> None:
         self._forget_deferred_warnings()  # met in an epoch left unfinished
         ring_in_use_by(self)
-        if not first_iter and self._ring is not None and not self._sized_by_user and \
-                self._prefetched is None and not self._tasks_outstanding and \
-                not make_room_for_the_rest(self._ring):
-            # A persistent iterator's ring, some slots never reserved, and
-            # their room taken meanwhile (see _open_ring).
+        if not first_iter and self._ring is not None and self._prefetched is None and \
+                not self._tasks_outstanding and (self._outgrown() or (
+                    not self._sized_by_user and not make_room_for_the_rest(self._ring))):
+            # A persistent iterator's ring whose slots a batch outgrew, or
+            # with some slots never reserved and their room taken meanwhile
+            # (see _open_ring): made anew below.
             self.give_back_ring()
         if self._ring is None and not first_iter:
             # No room for one last epoch, or given back to another loader:
@@ -442,6 +451,8 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         _sampler_state.py).  False when there is nothing to prefetch."""
         if not self._prefetch_next_epoch or self._next_epoch_at is not None:
             return False
+        if self._ring is not None and self._outgrown():
+            return False  # the ring is made anew, larger, as the next epoch starts
         loader = self._loader_ref()
         if loader is None or not can_prefetch(loader):  # nobody can start another epoch, or
             return False  # a sampler's set_epoch could not be undone after the draws
@@ -705,15 +716,19 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         if kind == "row_error":
             self._row_errors.setdefault(msg[1], {})[msg[2]] = msg[3:5]
             return None
-        if kind == "batch" and msg[2] == "no_ring" and self._ring is None:
+        if kind == "batch" and msg[4] and self._slot_bytes is None:
             # The first batch sizes the ring, with headroom for batches that
-            # vary a little; bigger ones spill.  The ring is made at the next
-            # next() call, so that its prefaulting does not delay this batch;
-            # until then the largest batch that arrived counts (a later batch
-            # may arrive before the first one, and be smaller).
+            # vary a little.  The ring is made at the next next() call, so
+            # that its prefaulting does not delay this batch; until then the
+            # largest batch that arrived counts (a later batch may arrive
+            # before the first one, and be smaller).  A batch that does not
+            # fit the ring made since (it spilled, or was sent before the ring
+            # was made) makes the slots larger when the next epoch starts
+            # (see _reset).
             needed = msg[4]
             learned = needed + needed // 16 + 65536
-            if learned > (self._handover.learned_slot_bytes or 0):
+            if learned > (self._handover.learned_slot_bytes or 0) and (
+                    self._ring is None or needed > self._ring.slot_bytes - self._state_bytes):
                 self._handover.learned_slot_bytes = learned
         return msg[1], msg
 
@@ -757,7 +772,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
     def _next_batch(self):
         if self._ring is None and self._handover.learned_slot_bytes is not None \
                 and not self._no_room:
-            self._start_ring(self._handover.learned_slot_bytes)
+            self._start_ring(self._known_slot_bytes())
         end = self._send_idx if self._next_epoch_at is None else self._next_epoch_at
         while True:
             if self._held:
@@ -889,11 +904,17 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             state_bytes = len(worker_state) if worker_state is not None else 0
             state = (f" (with the worker's state, {state_bytes} bytes: the dataset's "
                      "state_dict() and the RNGs)" if state_bytes > self._state_bytes else "")
+            sized = (f"slot_bytes={self._slot_bytes}, rounded up to a page" if self._slot_bytes
+                     else "sized from the loader's first batches")
             self._warn(
-                f"shmloader: a batch{state} did not fit its "
-                f"{self._ring.slot_bytes - self._state_bytes}-byte slot and was "
+                f"shmloader: a batch{state} did not fit its slot "
+                f"({self._ring.slot_bytes - self._state_bytes} bytes for a batch: {sized}) and was "
                 "delivered whole by torch's (slower) transport; later ones that do not fit "
-                "will be too. Pass slot_bytes= to size slots for your largest batch.",
+                "will be too" + (
+                    ". Pass slot_bytes= to size slots for your largest batch." if self._slot_bytes
+                    else " until the next epoch starts, whose ring has slots made to fit the "
+                    "largest batch seen. Pass slot_bytes= to size slots for your largest batch "
+                    "from the start."),
                 "warned_spill"
             )
 

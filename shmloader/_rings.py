@@ -29,16 +29,19 @@ _SHM_ADVICE = (f"Enlarge {SHM_DIR} (docker: --shm-size) or free space in it, or 
                "num_slots, slot_bytes or the batch size.")
 
 
-def _ring_bytes_message(nslots, slot_bytes, cause) -> str:
-    total = nslots * slot_bytes
+def _free_room() -> str:
     try:
         st = os.statvfs(SHM_DIR)
-        free = f"{st.f_bavail * st.f_frsize} bytes are free in {SHM_DIR}"
     except OSError:
-        free = f"{SHM_DIR} cannot be inspected"
+        return f"{SHM_DIR} cannot be inspected"
+    return f"{st.f_bavail * st.f_frsize} bytes are free in {SHM_DIR}"
+
+
+def _ring_bytes_message(nslots, slot_bytes, short) -> str:
+    """`short`: what the room falls short of, in words."""
     return (
-        f"shmloader needs {total} bytes of shared memory for its ring "
-        f"({nslots} slots x {slot_bytes} bytes) but {free} ({cause}). {_SHM_ADVICE}"
+        f"shmloader needs {nslots * slot_bytes} bytes of shared memory for its ring "
+        f"({nslots} slots x {slot_bytes} bytes) but {short}. {_SHM_ADVICE}"
     )
 
 
@@ -92,7 +95,8 @@ def _check_limit(nslots: int, slot_bytes: int) -> None:
     limit_bytes = _limit_bytes()
     if limit_bytes is not None and nslots * _slot_pages_bytes(slot_bytes) > limit_bytes:
         raise SharedMemoryError(_ring_bytes_message(
-            nslots, slot_bytes, f"{LIMIT_ENV}={limit_bytes} caps a ring at that size"))
+            nslots, slot_bytes,
+            f"{LIMIT_ENV}={limit_bytes} caps a ring at {limit_bytes} bytes (raise or unset it)"))
 
 
 # Room left beside a ring's slots for its header (slot descriptors, worker
@@ -216,7 +220,8 @@ def _create(nslots: int, slot_bytes: int) -> Ring:
                 f"({address_space_limit()}). Raise that limit, or lower num_slots, slot_bytes "
                 "or the batch size.") from e
         if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EOVERFLOW):
-            raise SharedMemoryError(_ring_bytes_message(nslots, slot_bytes, e.strerror)) from e
+            raise SharedMemoryError(_ring_bytes_message(
+                nslots, slot_bytes, f"{_free_room()} ({e.strerror})")) from e
         raise
 
 

@@ -267,20 +267,16 @@ class SampleLayout:
 
     # ---- worker side --------------------------------------------------------
 
-    def write_row(self, memory, storage, row: int, sample) -> None:
-        """Copy `sample` into row `row` of the slot whose SlotMemory and uint8
-        storage are given; a sample that does not fit raises SampleLayoutError
-        before any byte is written."""
-        structure, leaves = _flatten(sample)
-        difference = _difference(structure, self._skeleton)
-        if difference is None and len(leaves) != len(self.dtypes):  # a container unseen above
-            difference = f"the sample has {len(leaves)} fields where it had {len(self.dtypes)}"
-        if difference is not None:
-            raise SampleLayoutError(
-                f"fetch='sample': {difference} in the loader's first sample; every sample "
-                "must have its structure (container types, keys in the same order, lengths), "
-                "since batches are laid out from it (use fetch='batch' otherwise).")
-        tensors = [self._checked(i, leaf, row == 0) for i, leaf in enumerate(leaves)]
+    def write_row(self, memory, storage, row: int, sample, index) -> None:
+        """Copy `sample` (dataset[index]) into row `row` of the slot whose
+        SlotMemory and uint8 storage are given; a sample that does not fit
+        raises SampleLayoutError, naming its index, before any byte is
+        written."""
+        try:
+            tensors = self._fitted(sample, row == 0)
+        except SampleLayoutError as e:
+            e.args = (f"{e.args[0]} (the sample is dataset[{index!r}])",)
+            raise
         for i, t in enumerate(tensors):
             nbytes = self.row_bytes[i]
             offset = self.offsets[i] + row * nbytes
@@ -290,6 +286,20 @@ class SampleLayout:
                 dst = torch.empty((0,), dtype=t.dtype).set_(
                     storage, offset // t.dtype.itemsize, t.shape)
                 dst.copy_(t)
+
+    def _fitted(self, sample, first: bool) -> list:
+        """The sample's leaves as tensors of its fields' dtypes and shapes
+        (`first`: it is its batch's first sample)."""
+        structure, leaves = _flatten(sample)
+        difference = _difference(structure, self._skeleton)
+        if difference is None and len(leaves) != len(self.dtypes):  # a container unseen above
+            difference = f"the sample has {len(leaves)} fields where it had {len(self.dtypes)}"
+        if difference is not None:
+            raise SampleLayoutError(
+                f"fetch='sample': {difference} in the loader's first sample; every sample "
+                "must have its structure (container types, keys in the same order, lengths), "
+                "since batches are laid out from it (use fetch='batch' otherwise).")
+        return [self._checked(i, leaf, first) for i, leaf in enumerate(leaves)]
 
     def _checked(self, i: int, leaf, first: bool) -> torch.Tensor:
         """The leaf as a tensor of field i's dtype and shape (`first`: the

@@ -1,11 +1,14 @@
 """Warnings that point at the user's line, past shmloader's and torch's loader frames."""
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
 import warnings
 
 import torch.utils.data
+from torch.utils.data import dataloader as torch_dataloader
 
 _INTERNAL_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.utils.data.__file__))
 
@@ -19,14 +22,38 @@ def warn(message: str) -> None:
 
 # torch's loader warns with stacklevel=2, naming the frame that called the
 # method that warns: torch's own loader, for the calls that shmloader makes in
-# its place (super().__init__ of an iterator, check_worker_number_rationality).
-# Made through call_as_torch, such a warning names torch's loader module as
-# torch's does, so filters by module (filterwarnings(..., module="torch.utils.data"))
-# treat it alike.  (The frame's file stays this one.)
-_as_torch: dict = {"__name__": "torch.utils.data.dataloader"}
-exec(compile("def call_as_torch(function, *args):\n    return function(*args)\n",
-             __file__, "exec"), _as_torch)
-call_as_torch = _as_torch["call_as_torch"]
+# its place (an iterator's super().__init__, check_worker_number_rationality).
+# Those calls are made from a function compiled as if it stood on torch's line
+# that makes the same call, in torch's module, so that such a warning names the
+# same file, line and module as torch's (filters by module, such as
+# filterwarnings(..., module="torch.utils.data"), treat both alike).
+def _torch_line(owner, call: str) -> int:
+    """The line of torch's source of `owner` that reads `call` (its first
+    line, should a torch version word it otherwise)."""
+    lines, first = inspect.getsourcelines(owner)
+    return next((first + i for i, line in enumerate(lines) if line.strip() == call), first)
+
+
+@functools.cache
+def _caller_at(owner, call: str):
+    namespace = {"__name__": torch_dataloader.__name__}
+    source = "\n" * (_torch_line(owner, call) - 1) + "def call(f, *args): return f(*args)\n"
+    exec(compile(source, inspect.getsourcefile(owner), "exec"), namespace)
+    return namespace["call"]
+
+
+def init_as_torch(function, *args):
+    """function(*args) as _MultiProcessingDataLoaderIter's super().__init__."""
+    caller = _caller_at(torch_dataloader._MultiProcessingDataLoaderIter.__init__,
+                        "super().__init__(loader)")
+    return caller(function, *args)
+
+
+def check_workers_as_torch(function):
+    """function() as DataLoader._get_iterator's worker-number check."""
+    caller = _caller_at(torch_dataloader.DataLoader._get_iterator,
+                        "self.check_worker_number_rationality()")
+    return caller(function)
 
 
 class WarnsBetweenBatches:

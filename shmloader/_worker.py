@@ -33,6 +33,8 @@ Protocol (main -> worker, over the worker's task socket):
     None                             exit
 Worker -> main, over the worker's result pipe:
     ("batch", task_id, reason, data, slot_bytes_needed or 0, samples, state or None)
+                                     reason: "no_ring", "spill" (both measured) or
+                                     "ring_full"
     ("error", task_id, ExceptionWrapper[, worker state after it (see _resume)])
     ("row_error", task_id, row, ExceptionWrapper, collating)
                                                   sent before the row is counted done;
@@ -475,6 +477,18 @@ class _Counted:
         return self.fn(data)
 
 
+def _slot_bytes_needed(data, state) -> int:
+    """The bytes `data` and the worker's state would take in a slot, or 0
+    where the batch cannot be measured (torch's pickling decides on it)."""
+    try:
+        needed = slot_bytes_needed(data)
+    except Exception:
+        return 0
+    if state is not None:  # a state beyond the room kept for it
+        needed += max(0, len(state) - STATE_BYTES)
+    return needed
+
+
 class _Work:
     """What one worker does with a task: a whole batch, its rows of a batch
     (fetch="sample"), or a layout probe."""
@@ -553,10 +567,10 @@ class _Work:
                 self.slots.ring.publish(slot, task_id, meta_off, meta_len)
                 return None, False
         reason = {NO_SLOT: "ring_full", MEASURE: "no_ring"}.get(slot, "spill")
+        # What it would take in a slot: the size of the ring to make, or of
+        # the one to make when the next epoch starts (this one outgrew it).
+        needed = _slot_bytes_needed(data, state) if slot != NO_SLOT else 0
         try:
-            needed = slot_bytes_needed(data) if slot == MEASURE else 0
-            if needed and state is not None:  # a state beyond the room kept for it
-                needed += max(0, len(state) - STATE_BYTES)
             # Pickled here, not by the pipe, so that a batch that cannot be
             # pickled becomes this task's error instead of killing the worker;
             # tensors stacked into the slot are copied out, since the slot is
@@ -646,7 +660,7 @@ class _Work:
                     if isinstance(sample, ExceptionWrapper):
                         raise _Reraised(sample)
                     collating = True
-                    self.layout.write_row(memory, storage, row, sample)
+                    self.layout.write_row(memory, storage, row, sample, index[row])
                 except _Reraised as e:
                     failed = True
                     send(self.cfg.results, ("row_error", task_id, row, e.wrapper, False))

@@ -21,7 +21,7 @@ from ._single import SingleProcessIter
 from ._ring import MAX_SLOTS
 from ._rings import RingHandover
 from ._stats import Counters, LoaderStats
-from ._warn import call_as_torch
+from ._warn import check_workers_as_torch
 
 
 def _positive_int(name, value, upper=None):
@@ -131,15 +131,18 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     single-process path.
 
     Options beyond torch's (keyword-only):
-        slot_bytes: bytes per slot.  Default None: sized from the first batch
-            (its size plus 25% and 64 KiB); the first prefetch_factor *
-            num_workers batches then travel by torch's transport.  A batch
-            larger than its slot is still delivered whole (a "spill").
+        slot_bytes: bytes of batch per slot (each slot also keeps 16 KiB
+            for the worker's state, and is rounded up to a page).  Default
+            None: sized from the first batch (its size plus 1/16 and 64 KiB;
+            the first prefetch_factor * num_workers + 1 batches travel by
+            torch's transport meanwhile), and made larger when the next epoch
+            starts if a batch did not fit.  A batch larger than its slot is
+            still delivered whole, by torch's transport (a "spill").
         num_slots: slots in the ring.  Default prefetch_factor * num_workers
             + 4: the batches in flight, the one being yielded, the one your
             loop still holds and two more you may keep.  Keep more batches
             alive than that and the extra ones travel by torch's transport
-            (one warning); ring memory is capped at num_slots * slot_bytes.
+            (one warning); the ring never has more slots.
         fetch: "batch" (default, torch's way: each worker builds whole
             batches) or "sample": every worker fetches single samples and
             writes each straight into its row of a shared batch slot, so all
@@ -320,7 +323,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def _get_iterator(self):
         if self.num_workers == 0:
             return SingleProcessIter(self)
-        call_as_torch(self.check_worker_number_rationality)
+        check_workers_as_torch(self.check_worker_number_rationality)
         if self._dataset_kind == _DatasetKind.Iterable:
             return IterableShmLoaderIter(self)
         return ShmLoaderIter(self)

@@ -909,9 +909,9 @@ def test_too_many_workers_warns_like_torch():
 @pytest.mark.parametrize("case", ["too-many-workers", "pin-memory", "longer-than-len"])
 @pytest.mark.parametrize("module_filter", [False, True])
 def test_torchs_warnings_are_attributed_as_torchs(case, module_filter):
-    """torch's loader warnings raised through shmloader name torch's loader module where
-    torch's do (a filter by module hides both alike), and the user's line where torch's
-    do (an IterableDataset longer than its len())."""
+    """torch's loader warnings raised through shmloader name torch's loader module, file
+    and line where torch's do (a filter by module hides both alike), and the user's line
+    where torch's do (an IterableDataset longer than its len())."""
     def go(cls):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -925,7 +925,7 @@ def test_torchs_warnings_are_attributed_as_torchs(case, module_filter):
                 loader = cls(dataset, num_workers=1, batch_size=None)
                 len(loader)
                 list(loader)
-        return [(w.category, str(w.message), w.filename == __file__) for w in caught]
+        return [(w.category, str(w.message), w.filename, w.lineno) for w in caught]
 
     dataset = D.LyingLenIterable(8)
     t = go(TorchDataLoader)

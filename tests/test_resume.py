@@ -951,6 +951,7 @@ def test_not_a_state_raises(bad):
     ("generator_state", [1]), ("worker_states", None), ("worker_states", [{"random": 1}]),
     ("epoch_start_worker_states", 3), ("persistent_workers", None), ("sampler_started", None),
     ("epoch", None), ("config", "missing"), ("worker_states", "missing"),
+    ("batches_yielded", 99), ("batches_yielded_beyond", [99]), ("batches_yielded_beyond", [-1]),
 ])
 def test_malformed_state_is_value_error_naming_the_field(key, value):
     """A state edited or built by hand fails in load_state_dict, naming the field, never

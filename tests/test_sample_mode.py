@@ -342,7 +342,7 @@ def test_layout_mismatch_is_that_batch_error(kind, assignment):
     assert isinstance(message, str), "batch 1 holds the bad sample 5 and must be an error"
     assert issubclass(SampleLayoutError, RuntimeError)
     field, expected, actual = MISMATCH[kind]
-    for part in (field, expected, actual):
+    for part in (field, expected, actual, "(the sample is dataset[5])"):
         assert part in message, f"{part!r} missing from the error: {message}"
     assert re.search(r"Caught SampleLayoutError in DataLoader worker process \d", message)
 

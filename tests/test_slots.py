@@ -157,7 +157,9 @@ def test_an_iterator_left_with_a_warning_unraised_goes_at_once_and_the_warning_c
     an error) leaves that warning unraised: its iterator still goes as soon as the loop
     drops it, workers included (no reference cycle for the garbage collector to find), and
     the next epoch raises the warning again where its cause comes."""
-    loader = DataLoader(Images(64, shape=(3, 64, 64)), batch_sampler=_GrowingBatches(), num_workers=2)
+    # (A slot size of the user's: with slot_bytes=None the next epoch's slots would fit.)
+    loader = DataLoader(Images(64, shape=(3, 64, 64)), batch_sampler=_GrowingBatches(), num_workers=2,
+                        slot_bytes=1 << 16)
     gc.disable()
     try:
         with warnings.catch_warnings():
@@ -257,7 +259,7 @@ def test_oversize_batch_spills_whole_and_is_counted():
     # A local class is fine under fork.  Samples 0-15 fit a 4096-byte slot (the
     # metadata may use the room kept for the worker state).
     loader = DataLoader(Growing(40), batch_size=None, num_workers=2, slot_bytes=1024)
-    with pytest.warns(UserWarning, match="did not fit its 4096-byte slot"):
+    with pytest.warns(UserWarning, match=r"did not fit its slot \(4096 bytes for a batch: slot_bytes=1024, rounded up"):
         for i, t in enumerate(loader):
             assert t.shape == (i + 1, 256) and bool((t == i % 251).all())
     stats = loader.stats()
@@ -391,6 +393,52 @@ def test_slot_size_learned_from_first_batch():
     list(loader)  # a new iterator reuses the sized ring
     assert loader.stats().unsized_batches == 5
     assert loader._ring_handover.spare_ring is ring
+
+
+class _OneLargeBatch(torch.utils.data.Sampler):
+    """Batches of 2 samples, with one of 40 late in the epoch (after the ring is sized)."""
+
+    def __len__(self):
+        return 12
+
+    def __iter__(self):
+        start = 0
+        for n in [2] * 9 + [40, 2, 2]:
+            yield list(range(start, start + n))
+            start += n
+
+
+@pytest.mark.parametrize("options", [
+    dict(persistent_workers=True),
+    dict(persistent_workers=False),
+    dict(persistent_workers=True, prefetch_next_epoch=True),
+    dict(persistent_workers=True, fetch="sample"),
+    dict(persistent_workers=True, slot_bytes=1 << 16),
+], ids=["persistent", "new-workers", "prefetch-next-epoch", "sample", "users-slot-bytes"])
+def test_slots_grow_at_the_next_epoch_to_fit_a_batch_that_spilled(options):
+    """With slot_bytes=None a batch larger than the slots sized from the first batch
+    spills in its epoch; from the next epoch (the one after, where that epoch was
+    prefetched already) the slots fit it, and the batches are torch's all along. Slots
+    the user sized stay as they are."""
+    dataset = Images(64, shape=(3, 32, 32))
+    want = list(torch.utils.data.DataLoader(dataset, batch_sampler=_OneLargeBatch()))
+    loader = DataLoader(dataset, batch_sampler=_OneLargeBatch(), num_workers=2, **options)
+    spilled = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            for got, expected in zip(loader, want, strict=True):  # none kept: no ring-full
+                assert torch.equal(got, expected)
+            spilled.append(loader.stats().spilled_batches)
+    spill_warnings = [str(w.message) for w in caught if "did not fit" in str(w.message)]
+    assert len(spill_warnings) == 1
+    if "slot_bytes" in options:
+        assert spilled == [1, 2, 3, 4]
+        assert "from the start" not in spill_warnings[0]
+        return
+    assert "until the next epoch starts" in spill_warnings[0]
+    assert spilled[0] == 1 and spilled[-1] == spilled[-2] <= 2, spilled
+    assert loader.stats().slot_bytes >= 40 * 3 * 32 * 32
 
 
 def test_fallback_leaves_travel_by_torch_and_are_counted():
