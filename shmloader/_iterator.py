@@ -724,13 +724,23 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             # before the first one, and be smaller).  A batch that does not
             # fit the ring made since (it spilled, or was sent before the ring
             # was made) makes the slots larger when the next epoch starts
-            # (see _reset).
+            # (see _reset), where /dev/shm has room for all of them (else an
+            # outsized batch would cost the ring, not just itself).
             needed = msg[4]
             learned = needed + needed // 16 + 65536
             if learned > (self._handover.learned_slot_bytes or 0) and (
-                    self._ring is None or needed > self._ring.slot_bytes - self._state_bytes):
+                    self._ring is None or self._room_to_grow(needed, learned)):
                 self._handover.learned_slot_bytes = learned
         return msg[1], msg
+
+    def _room_to_grow(self, needed: int, learned: int) -> bool:
+        """Whether a batch of `needed` bytes outgrew this iterator's ring,
+        and a ring of slots of `learned` bytes would fit in its place."""
+        ring = self._ring
+        if needed <= ring.slot_bytes - self._state_bytes:
+            return False
+        fit, _ = slots_with_room(self._nslots, learned + self._state_bytes, replacing=ring)
+        return fit == self._nslots
 
     def _get_data(self):
         """(epoch index, data) of the next result of this epoch."""

@@ -104,16 +104,20 @@ def _check_limit(nslots: int, slot_bytes: int) -> None:
 _HEADER_ROOM = 1 << 20
 
 
-def slots_with_room(nslots: int, slot_bytes: int) -> tuple[int, str]:
+def slots_with_room(nslots: int, slot_bytes: int, replacing: Ring | None = None
+                    ) -> tuple[int, str]:
     """(how many of `nslots` slots of `slot_bytes` fit in the shared memory
     free now, and under SHMLOADER_SHM_LIMIT; that room in words).  All of
-    them where /dev/shm cannot be inspected (making the ring then says)."""
+    them where /dev/shm cannot be inspected (making the ring then says).
+    `replacing`: a ring to be retired first, whose room counts as free."""
     try:
         st = os.statvfs(SHM_DIR)
     except OSError as e:
         return nslots, f"{SHM_DIR} cannot be inspected ({e.strerror})"
-    promised = _promised()  # (made by other loaders, not all reserved yet)
+    promised = _promised(but=replacing)  # (made by other loaders, not all reserved yet)
     free = st.f_bavail * st.f_frsize - promised
+    if replacing is not None:
+        free += replacing.total_bytes - _unreserved(replacing)
     slot = _slot_pages_bytes(slot_bytes)
     fit = max(0, free - _HEADER_ROOM) // slot
     room = f"{SHM_DIR} has {free} bytes free" + (

@@ -441,6 +441,25 @@ def test_slots_grow_at_the_next_epoch_to_fit_a_batch_that_spilled(options):
     assert loader.stats().slot_bytes >= 40 * 3 * 32 * 32
 
 
+def test_slots_stay_as_they_are_where_larger_ones_would_not_fit(monkeypatch):
+    """A batch that outgrew the slots makes them larger only where a ring of the larger
+    slots fits whole: else the ring stays as it is (the large batch spills every epoch)
+    rather than shrinking to fewer slots, or none."""
+    monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(1_000_000))  # 8 small slots fit, not 8 large
+    dataset = Images(64, shape=(3, 32, 32))
+    want = list(torch.utils.data.DataLoader(dataset, batch_sampler=_OneLargeBatch()))
+    loader = DataLoader(dataset, batch_sampler=_OneLargeBatch(), num_workers=2,
+                        persistent_workers=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for epoch in range(3):
+            for got, expected in zip(loader, want, strict=True):
+                assert torch.equal(got, expected)
+            stats = loader.stats()
+            assert (stats.spilled_batches, stats.ring_slots) == (epoch + 1, 8), stats
+    assert not [w for w in caught if "room" in str(w.message)]
+
+
 def test_fallback_leaves_travel_by_torch_and_are_counted():
     def collate(samples):
         dense = torch.stack(samples)
