@@ -9,7 +9,8 @@ output, numpy arrays) are copied in once when the metadata is written.
 Sharing is kept as torch's transport keeps it: a leaf that occurs twice is
 placed once (and decoded as one object, see _layout), and tensors that view one storage
 view one copy of the bytes they span together, with their own offsets and
-strides, so in-place writes reach each other.  A tensor alone on its storage
+strides, and share one storage again when decoded, so in-place writes reach each other
+and torch.save or deepcopy keep them one.  A tensor alone on its storage
 keeps its strides too (transposed, expanded) when it spans all of it, and is
 otherwise copied alone and densely (torch would move its whole storage: all
 of a dataset-sized tensor for a sample sliced from it).
@@ -169,12 +170,15 @@ class Arena:
             return _layout.array_ref(offset, leaf.dtype, view.shape, view.strides)
         if leaf.requires_grad and not leaf.is_leaf:
             reduce_tensor(leaf)  # raises torch's error: its pickling refuses such a tensor
-        shared = False  # whether other leaves view its bytes too
+        storage = None  # (offset, size) of the bytes it shares with other leaves
         if self.owns(leaf):
             leaf_ref = leaf  # stacked by SlotCollate, apart from every other leaf
-        elif (shared := _storage_key(leaf := _as_torch_sends(leaf)) in self._shared) \
+        elif (key := _storage_key(leaf := _as_torch_sends(leaf))) in self._shared \
                 or _spans_its_storage(leaf):
             leaf_ref = self._in_storage_copy(leaf)
+            if key in self._shared:
+                first, end = self._shared[key]
+                storage = (self._copies[key], end - first)
         else:
             # A part of its storage, alone: densely, in the layout torch's
             # pickling would keep (channels_last stays channels_last); an
@@ -186,7 +190,7 @@ class Arena:
                 copy.copy_(leaf)
             leaf_ref = copy
         return _layout.tensor_ref(leaf_ref.storage_offset() * leaf.dtype.itemsize, leaf.dtype,
-                                  leaf.shape, leaf_ref.stride(), leaf.requires_grad, not shared)
+                                  leaf.shape, leaf_ref.stride(), leaf.requires_grad, storage)
 
     def _in_storage_copy(self, leaf: torch.Tensor) -> torch.Tensor:
         """`leaf` as a view, with its own strides, of the slot's one copy of
@@ -257,7 +261,7 @@ class Measure:
                 refs.append(_layout.array_ref(offset, leaf.dtype, leaf.shape, leaf.strides))
             else:
                 refs.append(_layout.tensor_ref(offset, leaf.dtype, leaf.shape, leaf.stride(),
-                                               leaf.requires_grad, True))
+                                               leaf.requires_grad, (offset, leaf.nbytes)))
         return refs
 
 

@@ -21,7 +21,9 @@ sees them all, and so which of them share their bytes), so that a __reduce__ of
 the user's runs once, as under torch's transport (for a batch that fits its
 slot).  Reference tuples (made by tensor_ref and array_ref):
     ("t", byte_offset, torch.dtype, shape, stride, span in elements, requires_grad,
-     alone: no other leaf views its bytes)
+     storage: None where no other leaf views its bytes, else the (byte offset, size)
+     of the bytes that the leaves sharing its storage span together, which they
+     share as one storage again, as under torch's transport)
     ("n", byte_offset, numpy dtype, shape, strides)
 """
 from __future__ import annotations
@@ -84,10 +86,12 @@ def is_slot_ndarray(obj) -> bool:
     return type(obj) is np.ndarray and not obj.dtype.hasobject
 
 
-def tensor_ref(offset: int, dtype, shape, stride, requires_grad: bool, alone: bool) -> tuple:
-    """The reference of a tensor leaf at byte `offset` of the slot."""
+def tensor_ref(offset: int, dtype, shape, stride, requires_grad: bool,
+               storage: tuple[int, int] | None) -> tuple:
+    """The reference of a tensor leaf at byte `offset` of the slot; `storage`:
+    see the module's note."""
     return (TENSOR, offset, dtype, tuple(shape), tuple(stride), span_elements(shape, stride),
-            requires_grad, alone)
+            requires_grad, storage)
 
 
 def array_ref(offset: int, dtype, shape, strides) -> tuple:
@@ -237,12 +241,13 @@ class _LeafMaker:
     corrupted slot is an error, never a wild read.
     (torch.frombuffer checks the span, Tensor.set_ the shape and strides over
     it; numpy's own extent check can overflow, so it is done here.)"""
-    __slots__ = ("_buffer", "_copy_small", "refs")
+    __slots__ = ("_buffer", "_copy_small", "refs", "_storages")
 
     def __init__(self, slot_buffer, copy_small):
         self._buffer = slot_buffer
         self._copy_small = copy_small
         self.refs = ()  # the metadata's references, once its first pickle is read
+        self._storages = None  # (byte offset, size) -> the storage leaves share there
 
     def __call__(self, number):
         if type(number) is not int or not 0 <= number < len(self.refs):
@@ -252,7 +257,7 @@ class _LeafMaker:
             raise pickle.UnpicklingError(f"slot reference {ref!r} is not a reference")
         kind = ref[0]
         if kind == TENSOR:
-            _, offset, dtype, shape, stride, count, requires_grad, alone = ref
+            _, offset, dtype, shape, stride, count, requires_grad, storage = ref
             if type(dtype) is not torch.dtype or dtype in _QUANTIZED:
                 raise pickle.UnpicklingError(f"slot reference {ref!r} has no plain dtype")
             if offset % dtype.itemsize:  # a misaligned view: vector loads would fault
@@ -262,7 +267,11 @@ class _LeafMaker:
                         type(n) is not int or n < 0 for n in stride):
                     raise pickle.UnpicklingError(f"slot reference {ref!r} has no bytes")
                 tensor = torch.empty_strided(shape, stride, dtype=dtype)  # its strides kept
-            elif alone and self._copy_small and count * dtype.itemsize <= SMALL_LEAF_BYTES:
+            elif storage is not None:
+                tensor = torch.empty((0,), dtype=dtype).set_(
+                    self._shared_storage(storage), self._offset_in(storage, offset, ref),
+                    shape, stride)
+            elif self._copy_small and count * dtype.itemsize <= SMALL_LEAF_BYTES:
                 # Over a bytearray: a storage that cannot be resized, as a view's
                 # (and torch's shared memory) cannot.
                 tensor = torch.frombuffer(bytearray(count * dtype.itemsize), dtype=dtype)
@@ -285,6 +294,30 @@ class _LeafMaker:
                                offset=offset, strides=strides)
             return self._as_unpickled(array) if self._copy_small else array
         raise pickle.UnpicklingError(f"unknown slot reference kind {kind!r}")
+
+    def _shared_storage(self, storage) -> torch.UntypedStorage:
+        """The one storage over the slot's (offset, size) bytes that the
+        leaves referring to it share (torch.frombuffer checks the span)."""
+        if self._storages is None:
+            self._storages = {}
+        shared = self._storages.get(storage)
+        if shared is None:
+            if type(storage) is not tuple or len(storage) != 2 or not all(
+                    type(n) is int and n >= 0 for n in storage):
+                raise pickle.UnpicklingError(f"slot storage {storage!r} is not (offset, size)")
+            first, nbytes = storage
+            shared = self._storages[storage] = torch.frombuffer(
+                self._buffer, dtype=torch.uint8, count=nbytes, offset=first).untyped_storage()
+        return shared
+
+    @staticmethod
+    def _offset_in(storage, offset: int, ref) -> int:
+        """A leaf's storage offset, in elements, in the storage it shares
+        (Tensor.set_ checks its extent there)."""
+        itemsize = ref[2].itemsize
+        if offset < storage[0] or (offset - storage[0]) % itemsize:
+            raise pickle.UnpicklingError(f"slot reference {ref!r} does not lie in its storage")
+        return (offset - storage[0]) // itemsize
 
     @staticmethod
     def _as_unpickled(array):

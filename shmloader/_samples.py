@@ -350,4 +350,4 @@ class SampleLayout:
     def _ref(self, i: int, nrows: int):
         dtype, shape = self.dtypes[i], (nrows, *self.shapes[i])
         stride = torch.empty(shape, dtype=dtype, device="meta").stride()
-        return _layout.tensor_ref(self.offsets[i], dtype, shape, stride, False, True)
+        return _layout.tensor_ref(self.offsets[i], dtype, shape, stride, False, None)

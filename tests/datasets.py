@@ -7,6 +7,7 @@ are fed to torch's DataLoader and to shmloader.DataLoader, and the outputs are c
 """
 import collections
 import collections.abc
+import copy
 import math
 import random
 import time
@@ -316,12 +317,20 @@ def strided_collate(batch):
 
 def sharing(batch):
     """What aliases what in an aliasing_collate batch, and whether in-place writes reach
-    each other: the facts torch's transport keeps."""
+    each other, in it and in a deepcopy of it: the facts torch's transport keeps (the views
+    of x share x's storage object, its size and their offsets in it)."""
     same_object = [batch["x"] is batch["same"], batch["again"][0] is batch["x"],
                    batch["again"][1] is batch["slice_of_big"]]
+    views = ("inputs", "targets", "t", "expanded")
+    storage = batch["x"].untyped_storage()
+    storages = [(batch[k].untyped_storage().data_ptr() == storage.data_ptr(),
+                 batch[k].untyped_storage().nbytes(), batch[k].storage_offset())
+                for k in views]
+    copied = copy.deepcopy(batch)
+    copied["x"].add_(100)
     batch["x"].add_(100)  # reaches every view of x, in torch's batches
-    reached = [bool((batch[k] >= 100).all()) for k in ("inputs", "targets", "t", "expanded")]
-    return same_object, reached, float(batch["slice_of_big"].sum())
+    reached = [bool((b[k] >= 100).all()) for b in (batch, copied) for k in views]
+    return same_object, storages, reached, float(batch["slice_of_big"].sum())
 
 
 class GradMap(Dataset):

@@ -401,7 +401,7 @@ _NP_DTYPE_VALUES = st.one_of(
 _FIELD_VALUES = {
     ("t", 1): _INTS, ("t", 2): _TORCH_DTYPE_VALUES, ("t", 3): _SHAPES, ("t", 4): _SHAPES,
     ("t", 5): _INTS, ("t", 6): st.one_of(st.booleans(), _JUNK),
-    ("t", 7): st.one_of(st.booleans(), _JUNK),
+    ("t", 7): st.one_of(st.tuples(_INTS, _INTS), st.tuples(_INTS), _JUNK),
     ("n", 1): _INTS, ("n", 2): _NP_DTYPE_VALUES, ("n", 3): _SHAPES, ("n", 4): _SHAPES,
 }
 # Shape and strides of one length, small or huge dimensions and strides of any sign.
@@ -415,11 +415,11 @@ _CRAFTED_REFS = st.one_of(
     _JUNK_NOT_NONE, _INTS,
     st.tuples(st.sampled_from(["t", "n", "x", "", "T"])),
     st.builds(lambda *f: ("t", *f), _INTS, _TORCH_DTYPE_VALUES, _SHAPES, _SHAPES, _INTS,
-              st.booleans(), st.booleans()),
+              st.booleans(), st.one_of(st.none(), st.tuples(_INTS, _INTS))),
     st.builds(lambda *f: ("n", *f), _INTS, _NP_DTYPE_VALUES, _SHAPES, _SHAPES),
-    st.builds(lambda off, dt, ss, count, rg, alone: ("t", off, dt, *ss, count, rg, alone),
+    st.builds(lambda off, dt, ss, count, rg, storage: ("t", off, dt, *ss, count, rg, storage),
               _INTS, st.sampled_from(TORCH_DTYPES), _SHAPE_STRIDES, _INTS, st.booleans(),
-              st.booleans()),
+              st.one_of(st.none(), st.tuples(_INTS, _INTS))),
     st.builds(lambda off, dt, ss: ("n", off, dt, *ss),
               _INTS, _NP_DTYPE_VALUES, _SHAPE_STRIDES),
     st.lists(_INTS, max_size=8).map(lambda xs: ("t", *xs)),
@@ -775,13 +775,13 @@ def test_decoder_refuses_ndarray_stride_overflow_reference(lease_of):
 
 def test_decoder_refuses_zero_count_tensor_reference(lease_of):
     # K3: count == 0 took the empty-tensor branch (torch.empty(shape)) whatever the shape.
-    _decode_and_touch(_one_ref_meta(("t", 0, torch.float32, (1000,), (1,), 0, False, True)),
+    _decode_and_touch(_one_ref_meta(("t", 0, torch.float32, (1000,), (1,), 0, False, None)),
                       lease_of())
 
 
 def test_decoder_refuses_quantized_tensor_reference(lease_of):
     # K4: a quantized dtype over slot bytes has no quantizer; reading it segfaulted.
-    meta = _one_ref_meta(("t", 0, torch.qint8, (1,), (1,), 1, False, True))
+    meta = _one_ref_meta(("t", 0, torch.qint8, (1,), (1,), 1, False, None))
     lease = lease_of()
     assert _decode_and_read(meta, lease, 0) in ("exit 0", "exit 1")
     _decode_and_touch(meta, lease)

@@ -3,6 +3,7 @@ stress run that verifies every payload."""
 import errno
 import multiprocessing as mp
 import os
+import pickle
 import random
 import secrets
 import zlib
@@ -308,8 +309,6 @@ def test_a_forked_child_dropping_a_lease_leaves_the_slot_to_its_owner():
 def test_misaligned_slot_reference_is_refused():
     """Found by the decoder fuzz: a complex128 view at an odd offset made torch's vector
     loads fault.  A reference off its dtype's alignment is an error, not a view."""
-    import pickle
-
     from shmloader import _layout
 
     ring = Ring.create_in("/dev/shm", 1, 4096)
@@ -317,12 +316,38 @@ def test_misaligned_slot_reference_is_refused():
     ring.publish(slot, 1, 0, 0)
     lease = ring.acquire()
     bad = _layout.dumps([torch.zeros(1, dtype=torch.complex128)], lambda leaves: [(
-        "t", 1, torch.complex128, (1,), (1,), 1, False, True)], 1)
+        "t", 1, torch.complex128, (1,), (1,), 1, False, None)], 1)
     with pytest.raises(pickle.UnpicklingError, match="not aligned"):
         _layout.loads(bad, lease)
     good = _layout.dumps([torch.zeros(1, dtype=torch.complex128)], lambda leaves: [(
-        "t", 64, torch.complex128, (1,), (1,), 1, False, True)], 1)
+        "t", 64, torch.complex128, (1,), (1,), 1, False, None)], 1)
     assert _layout.loads(good, lease)[0][0].dtype == torch.complex128
+
+
+def test_leaves_sharing_a_storage_reference_share_it_and_stay_inside_it():
+    """References naming one (offset, size) storage decode to views of one storage object;
+    a reference reaching past that storage, or before it, or a storage past the slot, is an
+    error, not a read."""
+    from shmloader import _layout
+
+    ring = Ring.create_in("/dev/shm", 1, 4096)
+    slot = ring.claim()
+    ring.publish(slot, 1, 0, 0)
+    lease = ring.acquire()
+
+    def decode(*refs):
+        return _layout.loads(_layout.dumps([torch.zeros(1) for _ in refs], lambda leaves: [
+            ("t", off, torch.float32, shape, (1,), shape[0], False, storage)
+            for off, shape, storage in refs], 1), lease)[0]
+
+    a, b = decode((64, (8,), (64, 32)), (80, (4,), (64, 32)))
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert (a.untyped_storage().nbytes(), a.storage_offset(), b.storage_offset()) == (32, 0, 4)
+    b.fill_(7)
+    assert a[4:].tolist() == [7.0] * 4
+    for refs in [[(80, (8,), (64, 32))], [(60, (1,), (64, 32))], [(4092, (1,), (4090, 8))]]:
+        with pytest.raises((pickle.UnpicklingError, RuntimeError, ValueError)):
+            decode(*refs)
 
 
 @pytest.mark.parametrize("alone", [True, False], ids=["copy", "view"])
@@ -340,7 +365,7 @@ def test_small_leaf_reference_reads_only_its_slot(alone):
 
     def meta(offset):
         return _layout.dumps([torch.zeros(1)], lambda leaves: [(
-            "t", offset, torch.uint8, (2, 4), (1, 2), 8, False, alone)], 1)
+            "t", offset, torch.uint8, (2, 4), (1, 2), 8, False, None if alone else (offset, 8))], 1)
 
     leaf = _layout.loads(meta(64), lease)[0][0]
     assert leaf.stride() == (1, 2)
