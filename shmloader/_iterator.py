@@ -192,7 +192,8 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
 
     def _outgrown(self) -> bool:
         """Whether a batch did not fit this iterator's slots (with
-        slot_bytes=None): a ring made now would have larger ones."""
+        slot_bytes=None): a ring made now would have larger ones (see
+        _reset)."""
         wanted = self._known_slot_bytes()
         return wanted is not None and self._ring.slot_bytes < wanted + self._state_bytes
 
@@ -334,12 +335,11 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
     def _reset(self, loader, first_iter=False) -> None:
         self._forget_deferred_warnings()  # met in an epoch left unfinished
         ring_in_use_by(self)
-        if not first_iter and self._ring is not None and self._prefetched is None and \
-                not self._tasks_outstanding and (self._outgrown() or (
-                    not self._sized_by_user and not make_room_for_the_rest(self._ring))):
-            # A persistent iterator's ring whose slots a batch outgrew, or
-            # with some slots never reserved and their room taken meanwhile
-            # (see _open_ring): made anew below.
+        if not first_iter and self._ring is not None and not self._sized_by_user and \
+                self._prefetched is None and not self._tasks_outstanding and \
+                not make_room_for_the_rest(self._ring):
+            # A persistent iterator's ring, some slots never reserved, and
+            # their room taken meanwhile (see _open_ring).
             self.give_back_ring()
         if self._ring is None and not first_iter:
             # No room for one last epoch, or given back to another loader:
@@ -396,6 +396,11 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         with self._failing_workers():
             if not first_iter:
                 self._resume_workers(rewind)
+                if self._ring is not None and self._outgrown():
+                    # A batch outgrew the slots: the ring is made anew, now
+                    # that no task of an earlier epoch can still write it.
+                    self.give_back_ring()
+                    self._start_ring(self._known_slot_bytes())
             for _ in range(self._prefetch_factor * self._num_workers):
                 self._try_put_index()
 
@@ -415,11 +420,11 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
                 self._warn(replay_message(resume.replayed))
             return
         self._pending_first_draw = resume
-        for _ in range(resume.skip):
+        for drawn in range(resume.skip):
             try:
                 index = self._next_index()
             except StopIteration:
-                break
+                raise resume.sampler_ran_out(drawn) from None
             self._position += len(index) if self._auto_collation else 1
             next(self._worker_queue_idx_cycle)
             self._send_idx += 1

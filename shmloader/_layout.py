@@ -298,13 +298,13 @@ class _LeafMaker:
     def _shared_storage(self, storage) -> torch.UntypedStorage:
         """The one storage over the slot's (offset, size) bytes that the
         leaves referring to it share (torch.frombuffer checks the span)."""
+        if type(storage) is not tuple or len(storage) != 2 or not all(
+                type(n) is int and n >= 0 for n in storage):
+            raise pickle.UnpicklingError(f"slot storage {storage!r} is not (offset, size)")
         if self._storages is None:
             self._storages = {}
         shared = self._storages.get(storage)
         if shared is None:
-            if type(storage) is not tuple or len(storage) != 2 or not all(
-                    type(n) is int and n >= 0 for n in storage):
-                raise pickle.UnpicklingError(f"slot storage {storage!r} is not (offset, size)")
             first, nbytes = storage
             shared = self._storages[storage] = torch.frombuffer(
                 self._buffer, dtype=torch.uint8, count=nbytes, offset=first).untyped_storage()

@@ -35,7 +35,6 @@ from array import array
 
 import numpy as np
 import torch
-from torch.utils.data import _DatasetKind
 
 from ._sampler_state import attribute, loader_samplers, sampler_generators
 
@@ -418,7 +417,6 @@ def check_state(loader, state) -> dict:
         if not fits(state[key]):
             raise ValueError(f"this state's {key!r} should be {what}, but it is "
                              f"{state[key]!r:.200}; was it changed after state_dict()?")
-    _check_yielded_fit_an_epoch(loader, state)
     ours = _config(loader)
     theirs = state["config"]
     differ = [k for k in ours if theirs.get(k) != ours[k] and not (
@@ -431,23 +429,6 @@ def check_state(loader, state) -> dict:
             + ("(num_workers may differ with seed_per_sample=True.)"
                if "num_workers" in differ else ""))
     return state
-
-
-def _check_yielded_fit_an_epoch(loader, state) -> None:
-    """A map-style loader's epoch has len(loader) batches: a state that says
-    more were yielded was changed (it would resume to an empty epoch)."""
-    if loader._dataset_kind != _DatasetKind.Map:
-        return
-    try:
-        batches = len(loader)
-    except TypeError:  # a sampler without a length
-        return
-    yielded = [state["batches_yielded"] - 1, *state["batches_yielded_beyond"]]
-    if max(yielded) >= batches or min(state["batches_yielded_beyond"], default=0) < 0:
-        raise ValueError(
-            f"this state's 'batches_yielded' ({state['batches_yielded']}) and "
-            f"'batches_yielded_beyond' ({state['batches_yielded_beyond']!r:.200}) do not fit "
-            f"this loader's epoch of {batches} batches; was it changed after state_dict()?")
 
 
 class Resume:
@@ -467,6 +448,16 @@ class Resume:
             # its base seed from the generator first).
             self.restore_generator(loader)
             self.restore_sampler(loader)
+
+    def sampler_ran_out(self, drawn: int) -> ValueError:
+        """The error for an epoch whose sampler ended after `drawn` of the
+        batches the state says were yielded.  (Not checked by
+        load_state_dict: a sampler's length may come from the state it
+        restores, or differ from what it yields, as torch allows.)"""
+        return ValueError(
+            f"the loaded state says {self.skip} batches of this epoch were yielded, but its "
+            f"sampler gives only {drawn}: was the state changed after state_dict(), or does "
+            "this loader's sampler differ from the one that saved it?")
 
     def settle_base_seed(self, loader, drawn: int, persistent: bool, rng_before) -> int:
         """The new iterator's base seed.  Where the uninterrupted run drew no

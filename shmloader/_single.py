@@ -53,11 +53,11 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
                         self._warn(replay_message(self._replay))
             else:
                 self._pending_first_draw = resume
-                for _ in range(resume.skip):
+                for drawn in range(resume.skip):
                     try:
                         self._next_index()
                     except StopIteration:
-                        break
+                        raise resume.sampler_ran_out(drawn) from None
 
     def _next_index(self):
         self._progress.sampler_started = True

@@ -951,7 +951,6 @@ def test_not_a_state_raises(bad):
     ("generator_state", [1]), ("worker_states", None), ("worker_states", [{"random": 1}]),
     ("epoch_start_worker_states", 3), ("persistent_workers", None), ("sampler_started", None),
     ("epoch", None), ("config", "missing"), ("worker_states", "missing"),
-    ("batches_yielded", 99), ("batches_yielded_beyond", [99]), ("batches_yielded_beyond", [-1]),
 ])
 def test_malformed_state_is_value_error_naming_the_field(key, value):
     """A state edited or built by hand fails in load_state_dict, naming the field, never
@@ -964,6 +963,73 @@ def test_malformed_state_is_value_error_naming_the_field(key, value):
     loader = _map_loader(batch_size=4, num_workers=2)
     with pytest.raises(ValueError, match=repr(key)):
         loader.load_state_dict(state)
+
+
+class _Curriculum(torch.utils.data.Sampler):
+    """Grows each epoch; its length is part of its state_dict()."""
+
+    def __init__(self):
+        self.n = 10
+
+    def set_epoch(self, epoch):
+        self.n = 10 + 10 * epoch
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+    def __len__(self):
+        return self.n
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+class _ShortLen(torch.utils.data.Sampler):
+    """Yields 40 indices but says 20, which torch's DataLoader never checks."""
+
+    def __iter__(self):
+        return iter(range(40))
+
+    def __len__(self):
+        return 20
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("case", ["length-in-its-state", "length-below-what-it-yields", "changed"])
+def test_yielded_batches_beyond_the_sampler_refused_only_where_it_runs_out(case, num_workers):
+    """A state mid-epoch resumes wherever the epoch's sampler, once restored, gives the
+    batches it says were yielded, whatever the sampler's len() says before; a state that
+    says more than the sampler gives is a ValueError, not an empty epoch."""
+    import shmloader
+
+    def make(sampler):
+        return shmloader.DataLoader(D.AugMap(100), batch_size=2, sampler=sampler,
+                                    num_workers=num_workers)
+
+    sampler = _Curriculum() if case == "length-in-its-state" else _ShortLen()
+    if case == "length-in-its-state":
+        sampler.set_epoch(2)  # 30 samples: 15 batches
+    loader = make(sampler)
+    it = iter(loader)
+    for _ in range(12):
+        next(it)
+    state = loader.state_dict()
+    rest = list(it)
+    resumed = make(_Curriculum() if case == "length-in-its-state" else _ShortLen())
+    if case == "changed":
+        state["batches_yielded"] = 99
+        resumed.load_state_dict(state)
+        with pytest.raises(ValueError, match="says 99 batches .* sampler gives only 20"):
+            iter(resumed)
+        return
+    resumed.load_state_dict(state)
+    got = list(resumed)
+    if num_workers == 0:  # the augmentations drew from this process's RNG (see the README)
+        rest, got = [b["index"] for b in rest], [b["index"] for b in got]
+    assert len(rest) > 0 and D.record(rest) == D.record(got)
 
 
 def test_load_into_a_used_persistent_loader(matrix):

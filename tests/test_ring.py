@@ -348,6 +348,9 @@ def test_leaves_sharing_a_storage_reference_share_it_and_stay_inside_it():
     for refs in [[(80, (8,), (64, 32))], [(60, (1,), (64, 32))], [(4092, (1,), (4090, 8))]]:
         with pytest.raises((pickle.UnpicklingError, RuntimeError, ValueError)):
             decode(*refs)
+    for storage in [[64, 32], {64: 32}, (64,), (64, -1), (64.0, 32)]:
+        with pytest.raises(pickle.UnpicklingError, match="is not \\(offset, size\\)"):
+            decode((64, (1,), storage))
 
 
 @pytest.mark.parametrize("alone", [True, False], ids=["copy", "view"])

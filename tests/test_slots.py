@@ -441,6 +441,43 @@ def test_slots_grow_at_the_next_epoch_to_fit_a_batch_that_spilled(options):
     assert loader.stats().slot_bytes >= 40 * 3 * 32 * 32
 
 
+class _GrowingStream(torch.utils.data.IterableDataset):
+    """Each worker's share of 12 samples: 8 small ones, then 4 large ones."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        for k in range(start, 12, step):
+            yield torch.full((1000 if k < 8 else 100_000,), float(k))
+
+
+@pytest.mark.parametrize("case", ["iterable-dataset", "epoch-broken-off"])
+def test_persistent_slots_grow_whatever_tasks_the_last_epoch_left(case):
+    """An IterableDataset's epoch ends with tasks sent to workers that ran out, and an epoch
+    broken off right after its spill leaves tasks in flight: the next epoch still starts
+    with slots that fit, and no batch spills again."""
+    if case == "iterable-dataset":
+        dataset, kw = _GrowingStream(), dict(batch_size=2)
+    else:
+        dataset, kw = Images(64, shape=(3, 32, 32)), dict(batch_sampler=_OneLargeBatch())
+    want = list(torch.utils.data.DataLoader(dataset, num_workers=2, **kw))
+    loader = DataLoader(dataset, num_workers=2, persistent_workers=True, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if case == "iterable-dataset":
+            assert all(torch.equal(g, w) for g, w in zip(loader, want, strict=True))
+        else:
+            for got, expected in zip(loader, want):
+                if len(got) == 40:
+                    break  # right after the batch that spilled
+        spilled = loader.stats().spilled_batches
+        assert spilled >= 1
+        for _ in range(2):
+            for got, expected in zip(loader, want, strict=True):
+                assert torch.equal(got, expected)
+            assert loader.stats().spilled_batches == spilled
+
+
 def test_slots_stay_as_they_are_where_larger_ones_would_not_fit(monkeypatch):
     """A batch that outgrew the slots makes them larger only where a ring of the larger
     slots fits whole: else the ring stays as it is (the large batch spills every epoch)
