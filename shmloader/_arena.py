@@ -309,4 +309,12 @@ class SlotCollate:
         elem = batch[0]
         if not _layout.is_slot_tensor(elem):
             return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-        return self.arena.stack(batch)
+        try:
+            return self.arena.stack(batch)
+        except (TypeError, RuntimeError):
+            # torch's collate in a worker first counts every sample's
+            # elements: a sample that is no tensor (None) fails there, with
+            # its AttributeError, before any stacking error.
+            for sample in batch:
+                sample.numel()
+            raise

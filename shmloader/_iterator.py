@@ -425,7 +425,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
                 index = self._next_index()
             except StopIteration:
                 raise resume.sampler_ran_out(drawn) from None
-            self._position += len(index) if self._auto_collation else 1
+            self._position += self._samples_in(index)
             next(self._worker_queue_idx_cycle)
             self._send_idx += 1
         self._rcvd_idx = self._send_idx
@@ -437,11 +437,20 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             index = resume.first_draw(super()._next_index)
         else:
             index = super()._next_index()
-        if self._auto_collation and type(index) is not list and not hasattr(index, "__len__"):
+        if self._auto_collation and type(index) is not list and not hasattr(index, "__len__") \
+                and hasattr(index, "__iter__"):
             # A batch_sampler's batch that is an iterator (torch's fetcher only
             # iterates it): its length counts sample positions and rows.
             index = list(index)
         return index
+
+    def _samples_in(self, index) -> int:
+        """The sample positions a task takes: its batch's length, or 0 for a
+        batch_sampler's "batch" that has none (an int), on which the
+        worker's fetcher then fails as torch's does."""
+        if not self._auto_collation:
+            return 1
+        return len(index) if hasattr(index, "__len__") else 0
 
     def _draw(self):
         """The next batch's indices, from this epoch's sampler or, once that
@@ -572,7 +581,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
                 return
         while self._send_idx in self._skip:  # yielded before a resume
             self._skip.discard(self._send_idx)
-            self._position += len(index) if self._auto_collation else 1
+            self._position += self._samples_in(index)
             next(self._worker_queue_idx_cycle)
             self._send_idx += 1
             try:
@@ -590,7 +599,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             return
         task_id = self._epoch_base + self._send_idx
         position = self._position
-        self._position += len(index) if self._auto_collation else 1
+        self._position += self._samples_in(index)
         early = self._dispatch(worker_id, task_id, index, position)
         self._workers_num_tasks[worker_id] += 1
         if self._task_numbers is not None:
@@ -612,7 +621,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         first_row = 0
         # An empty batch (a batch_sampler's) has no rows: one worker collates
         # it whole, failing as torch's collate does.
-        rows = self._fetch == "sample" and len(index) > 0
+        rows = self._fetch == "sample" and self._samples_in(index) > 0
         if rows and self._handover.sample_layout is None:
             error = self._learn_layout(task_id, index, epoch, position)
             if error is not None:

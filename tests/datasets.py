@@ -668,6 +668,20 @@ class KeyErrorStream(ShardedIterable):
         raise KeyError(name)
 
 
+class NoneAt(Dataset):
+    """Sample i = float32 [i, i, i], but None at index `bad`."""
+
+    def __init__(self, n, bad):
+        self.n = n
+        self.bad = bad
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return None if i == self.bad else torch.full((3,), float(i))
+
+
 class IteratorBatchSampler(Sampler):
     """Batches that are iterators without a length, as torch's fetcher accepts."""
 

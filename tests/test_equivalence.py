@@ -894,6 +894,41 @@ def test_public_attributes_match(name):
     assert safe_len(t) == safe_len(s)
 
 
+def _failures(cls, dataset, steps, **kw):
+    """(type, last line of the message) or the batch, for each of `steps` next() calls."""
+    out = []
+    it = iter(cls(dataset, **kw))
+    for _ in range(steps):
+        try:
+            out.append(next(it))
+        except StopIteration:
+            break
+        except Exception as e:
+            out.append((type(e), str(e).strip().splitlines()[-1]))
+    return out
+
+
+@pytest.mark.parametrize("kw", [W2, dict(num_workers=0), dict(fetch="sample", **W2)],
+                         ids=["w2", "w0", "sample-w2"])
+def test_a_batch_sampler_of_ints_fails_in_each_next_like_torch(kw):
+    """A sampler passed as batch_sampler gives ints for batches: torch's iter() takes them,
+    and each next() raises its fetcher's TypeError (from the worker, where there is one)."""
+    expected = _failures(TorchDataLoader, D.IndexMap(12), 4, batch_sampler=[3, 1, 4],
+                         num_workers=kw["num_workers"])
+    assert [kind for kind, _ in expected] == [TypeError] * 3
+    D.assert_same(expected, _failures(ShmDataLoader, D.IndexMap(12), 4, batch_sampler=[3, 1, 4],
+                                      **kw))
+
+
+def test_a_sample_that_is_no_tensor_fails_its_batch_as_torchs_collate_does():
+    """A None among a batch's tensors: torch's collate in a worker counts every sample's
+    elements first (AttributeError: no numel), on every batch, the ring's included."""
+    kw = dict(batch_size=4, num_workers=2, persistent_workers=True)
+    expected = _failures(TorchDataLoader, D.NoneAt(40, bad=21), 12, **kw)
+    assert expected[5][0] is AttributeError and len(expected) == 10
+    D.assert_same(expected, _failures(ShmDataLoader, D.NoneAt(40, bad=21), 12, **kw))
+
+
 def test_too_many_workers_warns_like_torch():
     def go(cls):
         with warnings.catch_warnings(record=True) as caught:
