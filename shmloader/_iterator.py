@@ -156,6 +156,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
                 shared_seed=self._shared_seed,
                 seed_per_sample=loader.seed_per_sample,
                 assignment=loader.assignment,
+                measures_spills=self._slot_bytes is None,
                 resume_state=resume.worker_state(i) if resume is not None else None,
                 manager_pid=os.getpid(),
             )
@@ -730,7 +731,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         if kind == "row_error":
             self._row_errors.setdefault(msg[1], {})[msg[2]] = msg[3:5]
             return None
-        if kind == "batch" and msg[4] and self._slot_bytes is None:
+        if kind == "batch" and msg[4]:  # measured: only with slot_bytes=None (see WorkerConfig)
             # The first batch sizes the ring, with headroom for batches that
             # vary a little.  The ring is made at the next next() call, so
             # that its prefaulting does not delay this batch; until then the

@@ -108,6 +108,7 @@ class WorkerConfig:
     shared_seed: int | None
     seed_per_sample: bool  # seed random/torch/numpy before each sample
     assignment: str  # fetch="sample": "interleaved" or "dynamic"
+    measures_spills: bool  # slot_bytes=None: the slots grow to fit a spilled batch
     resume_state: dict | None  # plain worker state to start from (load_state_dict)
     manager_pid: int  # the main process: workers exit when it is gone
     tasks: Any  # Connection (a socket: it also carries the ring's fds)
@@ -569,7 +570,8 @@ class _Work:
         reason = {NO_SLOT: "ring_full", MEASURE: "no_ring"}.get(slot, "spill")
         # What it would take in a slot: the size of the ring to make, or of
         # the one to make when the next epoch starts (this one outgrew it).
-        needed = _slot_bytes_needed(data, state) if slot != NO_SLOT else 0
+        measured = slot == MEASURE or (slot >= 0 and cfg.measures_spills)
+        needed = _slot_bytes_needed(data, state) if measured else 0
         try:
             # Pickled here, not by the pipe, so that a batch that cannot be
             # pickled becomes this task's error instead of killing the worker;
