@@ -80,6 +80,25 @@ def _byte_range(leaf: torch.Tensor) -> tuple[int, int]:
     return start, start + _layout.span_elements(leaf.shape, leaf.stride()) * leaf.dtype.itemsize
 
 
+def shared_spans(leaves) -> dict[int, tuple[int, int]]:
+    """For each storage that several tensors among `leaves` view (by
+    _storage_key), the bytes [first, end) they span together: a slot holds
+    one copy of them."""
+    views = {}
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            sent = _as_torch_sends(leaf)
+            if _bytes_are_values(sent):
+                views.setdefault(_storage_key(sent), []).append(_byte_range(sent))
+    spans = {}
+    for key, ranges in views.items():
+        if len(ranges) > 1:
+            first = min(start for start, _ in ranges)
+            # Aligned, so that each view keeps its elements' alignment.
+            spans[key] = (first - first % ALIGN, max(end for _, end in ranges))
+    return spans
+
+
 class SlotFull(Exception):
     """The batch (data plus metadata) does not fit its slot."""
 
@@ -144,18 +163,8 @@ class Arena:
     def _note_shared_storages(self, leaves) -> None:
         """Note the storages that several of the leaves view, and the bytes
         they span together, before place() meets them one by one."""
-        views = {}
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) and not self.owns(leaf):
-                sent = _as_torch_sends(leaf)
-                if _bytes_are_values(sent):
-                    views.setdefault(_storage_key(sent), []).append(sent)
-        for key, viewing in views.items():
-            if len(viewing) > 1:
-                ranges = [_byte_range(leaf) for leaf in viewing]
-                first = min(start for start, _ in ranges)
-                # Aligned, so that each view keeps its elements' alignment.
-                self._shared[key] = (first - first % ALIGN, max(end for _, end in ranges))
+        self._shared = shared_spans(leaf for leaf in leaves
+                                    if isinstance(leaf, torch.Tensor) and not self.owns(leaf))
 
     def place(self, leaf):
         """The slot reference for `leaf`, copying it into the slot if needed."""
@@ -250,19 +259,40 @@ class Measure:
         self.used = 0
 
     def place_all(self, leaves) -> list:
-        """Each leaf on its own (at least what Arena.place takes for shared
-        ones), with a reference as long as the real one will be, so that the
-        metadata is measured too."""
+        """The bytes Arena.place_all would take: a leaf alone densely, one
+        spanning its storage with its storage's bytes, leaves viewing one
+        storage with the bytes they span together, once; each with a
+        reference as long as the real one will be, so that the metadata is
+        measured too."""
+        shared = shared_spans(leaves)
+        counted = set()  # storages whose shared span is counted
         refs = []
         for leaf in leaves:
             offset = aligned(self.used)
-            self.used = offset + leaf.nbytes
+            self.used = offset + self._bytes_of(leaf, shared, counted)
             if isinstance(leaf, np.ndarray):
                 refs.append(_layout.array_ref(offset, leaf.dtype, leaf.shape, leaf.strides))
             else:
                 refs.append(_layout.tensor_ref(offset, leaf.dtype, leaf.shape, leaf.stride(),
                                                leaf.requires_grad, (offset, leaf.nbytes)))
         return refs
+
+    @staticmethod
+    def _bytes_of(leaf, shared, counted) -> int:
+        if isinstance(leaf, np.ndarray):
+            return leaf.nbytes
+        sent = _as_torch_sends(leaf)
+        key = _storage_key(sent)
+        if key in shared:
+            if key in counted:
+                return 0
+            counted.add(key)
+            first, end = shared[key]
+            return end - first
+        if _spans_its_storage(sent):
+            start, end = _byte_range(sent)
+            return end - start
+        return leaf.nbytes
 
 
 def slot_bytes_needed(batch) -> int:

@@ -395,6 +395,28 @@ def test_slot_size_learned_from_first_batch():
     assert loader._ring_handover.spare_ring is ring
 
 
+def _distant_slices_of_one_storage(indices):
+    """Two slices 2 MB apart in one storage: a slot holds one copy of the bytes they span."""
+    big = torch.arange(1_000_000, dtype=torch.float32) + indices[0]
+    return big[:1000], big[500_000:501_000]
+
+
+def test_ring_sizing_counts_the_bytes_that_views_of_one_storage_span():
+    """Sized by the sum of the leaves alone (8 KB), every batch would spill, and
+    the slots grown after a spill would be measured the same way."""
+    loader = DataLoader(list(range(64)), batch_size=4, num_workers=2, persistent_workers=True,
+                        collate_fn=_distant_slices_of_one_storage)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the spill warning
+        for _ in range(2):
+            for i, (a, b) in enumerate(loader):
+                assert torch.equal(a, torch.arange(1000.0) + 4 * i)
+                assert torch.equal(b, torch.arange(500_000.0, 501_000.0) + 4 * i)
+                assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    stats = loader.stats()
+    assert stats.spilled_batches == 0 and stats.slot_batches > 16, stats
+
+
 class _OneLargeBatch(torch.utils.data.Sampler):
     """Batches of 2 samples, with one of 40 late in the epoch (after the ring is sized)."""
 
