@@ -99,7 +99,8 @@ class WorkerConfig:
     dataset_kind: int
     dataset: Any
     auto_collation: bool
-    collate_fn: Callable | None  # None: SlotCollate (the loader uses default_collate)
+    collate_fn: Callable | None  # the loader's (None: a user set it so, as torch calls it)
+    slot_collate: bool  # SlotCollate instead (the loader uses default_collate)
     drop_last: bool
     base_seed: int
     init_fn: Callable | None
@@ -356,7 +357,7 @@ def _run(cfg: WorkerConfig) -> None:
     torch_worker._worker_info = torch_worker.WorkerInfo(
         id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=dataset
     )
-    slot_collate = SlotCollate() if cfg.collate_fn is None else None
+    slot_collate = SlotCollate() if cfg.slot_collate else None
     collate_fn = _Counted(slot_collate or cfg.collate_fn)
     where = f"in DataLoader worker process {cfg.worker_id}"
 

@@ -747,6 +747,17 @@ def test_prefetch_factor_set_after_construction_fails_like_torch(prefetch_factor
     assert results[0] == results[1], f"torch raised {results[0]}, shm raised {results[1]}"
 
 
+def test_collate_fn_set_to_none_after_construction_fails_like_torch():
+    """torch's workers call whatever collate_fn is at iter(), None included; shmloader's
+    slot collate stands in for default_collate only."""
+    got = []
+    for cls in (TorchDataLoader, ShmDataLoader):
+        loader = cls(D.IndexMap(8), batch_size=2, num_workers=2)
+        loader.collate_fn = None
+        got.append(each_next(loader))
+    assert got[0] == got[1] and got[0][0][0] is TypeError, got
+
+
 @pytest.mark.parametrize("how", ["pickle", "deepcopy"])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_loader_copied_after_an_epoch_like_torch(how, persistent):
