@@ -164,8 +164,10 @@ class _Snapshot:
         if isinstance(value, np.generic):
             return ("numpy", value.dtype.str, value.tobytes())
         if value is self._dataset:  # a sampler's data_source: the data, not how it is drawn
-            return "dataset"
+            return ("dataset", _length(value))
         self._nodes += 1
+        if isinstance(value, Dataset):  # another one: its length, as a sampler draws from it
+            return ("object", id(value), _length(value))
         if depth >= _DEPTH or self._nodes > _NODES or isinstance(value, _OPAQUE):
             return ("object", id(value))
         return self._content(value, depth + 1)
@@ -216,6 +218,14 @@ class _Snapshot:
         return tuple(self.of(v, depth) for v in items)
 
 
+def _length(dataset):
+    """len(dataset), which a sampler draws indices below, or None without one."""
+    try:
+        return len(dataset)
+    except Exception:  # noqa: BLE001 - no __len__, or one that raises
+        return None
+
+
 def _all_immutable(values) -> bool:
     """Whether `values` (a list, tuple or dict's values) hold only values that
     cannot change in place (numbers, strings, and tuples of them), judged from
@@ -248,7 +258,8 @@ def _attributes(obj):
 
 def _capture(loader):
     snapshot = _Snapshot(loader.dataset)
-    return [snapshot.of(loader.generator),
+    # The dataset's length too: the default samplers draw below it.
+    return [snapshot.of(loader.dataset), snapshot.of(loader.generator),
             *(snapshot.of(sampler) for sampler in loader_samplers(loader))]
 
 

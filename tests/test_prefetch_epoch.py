@@ -501,6 +501,36 @@ def test_a_dataset_of_tensors_replaced_between_epochs():
     assert run(prefetching()) == run(TorchDataLoader)
 
 
+class _Resizable(tud.Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        return index
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("change", ["shrink", "grow"])
+def test_a_dataset_whose_length_changes_between_epochs(shuffle, change):
+    """A curriculum that resizes its dataset after an epoch: the prefetched epoch was drawn
+    below the old length, so it is drawn again (SequentialSampler and RandomSampler hold the
+    dataset itself, whose length is all they draw from)."""
+    def run(cls, **kw):
+        dataset = _Resizable(16)
+        loader = cls(dataset, batch_size=4, shuffle=shuffle, num_workers=2,
+                     generator=torch.Generator().manual_seed(3), persistent_workers=True, **kw)
+        out = []
+        for e in range(3):
+            out.append(([b.tolist() for b in loader], len(loader)))
+            dataset.n = 8 if change == "shrink" else 16 + 4 * (e + 1)
+        return out
+
+    assert run(prefetching()) == run(TorchDataLoader)
+
+
 def test_break_after_the_sampler_ran_out_leaves_the_ring_its_slots():
     """The broken-off epoch's tasks still in flight are awaited before the adopted epoch
     fills its window, so their slots are free for it: no batch falls back to torch's
