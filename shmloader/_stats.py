@@ -9,7 +9,10 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class WorkerStats:
     """One worker slot's totals over the loader's iterators (worker i of
-    each): time spent fetching and writing, samples fetched, bytes written."""
+    each): time spent fetching and writing, samples fetched, bytes written.
+    Fetched, not yielded: batches of a prefetched epoch that was dropped, or
+    in flight when an epoch was broken off, count here and not in
+    LoaderStats.samples."""
 
     busy_seconds: float = 0.0
     samples: int = 0
@@ -83,7 +86,7 @@ class LoaderStats:
             f"{self.prefetched_epochs} prefetched epochs",
         ]
         for i, w in enumerate(self.workers):
-            lines.append(f"worker {i}: busy {w.busy_seconds:.3f} s, {w.samples} samples, "
+            lines.append(f"worker {i}: busy {w.busy_seconds:.3f} s, {w.samples} samples fetched, "
                          f"{w.bytes / 1e9:.3f} GB")
         return "\n".join(lines)
 
