@@ -66,23 +66,34 @@ class WorkerDied(RuntimeError):
 
 
 def _exit_description(process) -> str:
+    """What became of a dead worker, in torch's words where torch has them
+    (its SIGCHLD handler's, which code and people match: "is killed by
+    signal: Killed." for an out-of-memory kill)."""
     code = process.exitcode
     if code == NO_RING_FDS_EXIT:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         return (f"could not receive the ring's file descriptors: it had as many open files as "
                 f"its limit allows (RLIMIT_NOFILE, `ulimit -n`: {soft} here). Raise that "
-                "limit, or keep fewer batches of loaders that are gone (each keeps one open)")
+                "limit, or keep fewer batches of loaders that are gone (each keeps one open).")
     if code == NO_RING_MAPPING_EXIT:
         return (f"could not map the ring: no address space was left for it "
                 f"({address_space_limit()}). Raise that limit, or lower num_slots, "
-                "slot_bytes or the batch size")
+                "slot_bytes or the batch size.")
     if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"is killed by signal: {name} ({signal.strsignal(-code)})"
-    return f"exited unexpectedly with exit code {code}"
+        text = f"is killed by signal: {signal.strsignal(-code)}."
+        if -code == signal.SIGBUS:
+            text += (" It is possible that dataloader's workers are out of shared memory. "
+                     "Please try to raise your shared memory limit.")
+        return text
+    return (f"exited unexpectedly with exit code {code}. Details are lost due to "
+            "multiprocessing. Rerunning with num_workers=0 may give better error trace.")
+
+
+def _signal_name(code) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
 
 
 class _MainEnd(Connection):
@@ -238,13 +249,16 @@ class WorkerPool:
             if i not in self._exiting and not p.is_alive()
         ]
         if dead:
-            details = "; ".join(
-                f"DataLoader worker {i} (pid {p.pid}) {_exit_description(p)}" for i, p in dead
-            )
+            details = " ".join(f"DataLoader worker (pid {p.pid}) {_exit_description(p)}"
+                               for _, p in dead)
+            which = ", ".join(
+                f"worker {i}" + (f" by {_signal_name(p.exitcode)}" if (p.exitcode or 0) < 0 else "")
+                for i, p in dead)
+            killed = any(p.exitcode == -signal.SIGKILL for _, p in dead)
             raise WorkerDied(
-                f"{details}. shmloader stopped the other workers; if a worker was killed "
-                "by the kernel (SIGKILL), it may have run out of memory."
-            )
+                f"{details} ({which}; shmloader stopped the other workers"
+                + ("; where the kernel sent a SIGKILL, that worker ran out of memory)"
+                   if killed else ")"))
 
     def shutdown(self, graceful: bool = True) -> None:
         """Ask every worker to exit, wait a little, then terminate stragglers;

@@ -78,9 +78,10 @@ DRIVER_S = 90.0  # a whole `worker` scenario
 HOWS = ("return", "exception", "sigint", "sigterm", "sigkill")
 WHENS = ("mid", "between")
 FAULTS = ("sigkill", "sigsegv", "exit", "init", "iter", "getitem")
-DEATHS = {"sigkill": "killed by signal: SIGKILL", "sigsegv": "killed by signal: SIGSEGV",
-          "exit": "exited unexpectedly with exit code 1",
-          "idle-sigkill": "killed by signal: SIGKILL"}
+DEATHS = {"sigkill": "is killed by signal: Killed.",
+          "sigsegv": "is killed by signal: Segmentation fault.",
+          "exit": "exited unexpectedly with exit code 1.",
+          "idle-sigkill": "is killed by signal: Killed."}
 EXCEPTIONS = {"init": ("LookupError", "worker_init_fn failed in worker 1 (InitFailsOnce)"),
               "iter": ("KeyError", "__iter__ failed in worker 1 (StreamFailsOnce)"),
               "getitem": ("ValueError", "sample 22 is broken (FaultOnce)")}
