@@ -23,7 +23,7 @@ from pickle import PicklingError
 from torch.utils.data._utils import signal_handling
 
 from ._rings import address_space_limit
-from ._warn import warn
+from ._warn import warn_as_torch_worker_start
 from ._worker import NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT, WorkerConfig, worker_loop
 
 # Like torch's MP_STATUS_CHECK_INTERVAL: how long shutdown waits for workers
@@ -140,7 +140,8 @@ class WorkerPool:
         try:
             process.start()
         except (TypeError, AttributeError, PicklingError) as e:
-            warn(_TORCH_PICKLE_WARNING)  # torch's, word for word, before its own error
+            # torch's, word for word and at its line, before its own error
+            warn_as_torch_worker_start(_TORCH_PICKLE_WARNING)
             method = ctx.get_start_method()
             advice = (
                 f"shmloader could not start DataLoader worker {fields['worker_id']} with "

@@ -56,6 +56,19 @@ def check_workers_as_torch(function):
     return caller(function)
 
 
+def warn_as_torch_worker_start(message: str) -> None:
+    """warnings.warn(message) as _MultiProcessingDataLoaderIter.__init__
+    warns while starting a worker (stacklevel=2): at the line of torch's
+    DataLoader._get_iterator that makes that iterator."""
+    owner = torch_dataloader.DataLoader._get_iterator
+    warnings.warn_explicit(
+        message, UserWarning, inspect.getsourcefile(owner),
+        _torch_line(owner, "return _MultiProcessingDataLoaderIter(self)"),
+        module=torch_dataloader.__name__,
+        registry=vars(torch_dataloader).setdefault("__warningregistry__", {}),
+        module_globals=vars(torch_dataloader))
+
+
 class WarnsBetweenBatches:
     """For iterators: a warning that filters turn into an error (pytest -W
     error) is raised by the next next() before it takes anything, or in place

@@ -952,7 +952,8 @@ def test_too_many_workers_warns_like_torch():
     assert t == go(ShmDataLoader)
 
 
-@pytest.mark.parametrize("case", ["too-many-workers", "pin-memory", "longer-than-len"])
+@pytest.mark.parametrize("case", ["too-many-workers", "pin-memory", "longer-than-len",
+                                  "unpicklable-under-spawn"])
 @pytest.mark.parametrize("module_filter", [False, True])
 def test_torchs_warnings_are_attributed_as_torchs(case, module_filter):
     """torch's loader warnings raised through shmloader name torch's loader module, file
@@ -967,6 +968,10 @@ def test_torchs_warnings_are_attributed_as_torchs(case, module_filter):
                 list(cls(D.IndexMap(4), num_workers=NCPU + 1))
             elif case == "pin-memory":
                 list(cls(D.IndexMap(4), num_workers=1, pin_memory=True))
+            elif case == "unpicklable-under-spawn":  # its error is shmloader's (see test_lifecycle)
+                with pytest.raises(AttributeError, match="Can't pickle local object"):
+                    iter(cls(D.IndexMap(4), num_workers=1, multiprocessing_context="spawn",
+                             worker_init_fn=lambda worker_id: None))
             else:
                 loader = cls(dataset, num_workers=1, batch_size=None)
                 len(loader)
