@@ -47,6 +47,7 @@ from ._rings import (SharedMemoryError, create_ring, idle_ring_held_by, idle_rin
                      make_room_for_the_rest, release_idle_rings, reserve_in_background, retire,
                      ring_in_use_by, short_room_message, slots_with_room)
 from ._sampler_state import PrefetchedEpoch, can_prefetch
+from ._seeding import countable, positions_in
 from ._warn import WarnsBetweenBatches, init_as_torch
 from ._worker import MEASURE, NO_SLOT
 
@@ -439,20 +440,10 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             index = resume.first_draw(super()._next_index)
         else:
             index = super()._next_index()
-        if self._auto_collation and type(index) is not list and not hasattr(index, "__len__") \
-                and hasattr(index, "__iter__"):
-            # A batch_sampler's batch that is an iterator (torch's fetcher only
-            # iterates it): its length counts sample positions and rows.
-            index = list(index)
-        return index
+        return countable(index, self._auto_collation)
 
     def _samples_in(self, index) -> int:
-        """The sample positions a task takes: its batch's length, or 0 for a
-        batch_sampler's "batch" that has none (an int), on which the
-        worker's fetcher then fails as torch's does."""
-        if not self._auto_collation:
-            return 1
-        return len(index) if hasattr(index, "__len__") else 0
+        return positions_in(index, self._auto_collation)
 
     def _draw(self):
         """The next batch's indices, from this epoch's sampler or, once that

@@ -36,3 +36,44 @@ def seed_sample(base_seed: int, epoch: int, position: int) -> None:
     random.seed(seed)
     torch.default_generator.manual_seed(seed)
     np.random.seed(seed >> 31)
+
+
+def countable(index, auto_collation: bool):
+    """A batch_sampler's batch that is an iterator (torch's fetcher only
+    iterates it) as a list, whose length counts sample positions and rows."""
+    if auto_collation and type(index) is not list and not hasattr(index, "__len__") \
+            and hasattr(index, "__iter__"):
+        return list(index)
+    return index
+
+
+def positions_in(index, auto_collation: bool) -> int:
+    """The sample positions a batch takes: its length, or 0 for a
+    batch_sampler's "batch" that has none (an int), on which the fetcher
+    then fails as torch's does."""
+    if not auto_collation:
+        return 1
+    return len(index) if hasattr(index, "__len__") else 0
+
+
+class Samples:
+    """Fetches single samples of a map-style dataset, each seeded by
+    seed_sample first where there is a base seed (seed_per_sample)."""
+
+    def __init__(self, dataset, auto_collation: bool, collate_fn, base_seed: int | None):
+        self._dataset = dataset
+        self._auto_collation = auto_collation
+        self._collate_fn = collate_fn
+        self._base_seed = base_seed
+
+    def get(self, index, epoch, position):
+        if self._base_seed is not None:
+            seed_sample(self._base_seed, epoch, position)
+        return self._dataset[index]
+
+    def batch(self, index, epoch, position):
+        """A batch fetched sample by sample (never __getitems__: each sample
+        is seeded on its own)."""
+        if not self._auto_collation:
+            return self._collate_fn(self.get(index, epoch, position))
+        return self._collate_fn([self.get(i, epoch, position + k) for k, i in enumerate(index)])

@@ -1,15 +1,19 @@
 """num_workers=0: torch's own single-process iterator, plus the bookkeeping
-behind state_dict() (see _resume.py).  Batches are torch's, unchanged."""
+behind state_dict() (see _resume.py).  Batches are torch's, unchanged, but
+for seed_per_sample's seeding of each sample."""
 from __future__ import annotations
 
 import contextlib
+import random
 
+import numpy as np
 import torch
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
 from ._cuda import DeviceStage
 from ._resume import own_state, replay_message, sampler_state
 from ._sampler_state import attribute
+from ._seeding import Samples, countable, positions_in
 from ._warn import WarnsBetweenBatches
 
 
@@ -34,10 +38,18 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
             else None
         super().__init__(loader)
         if resume is not None:
-            resume.settle_base_seed(loader, self._base_seed, False, rng_before)
+            self._base_seed = resume.settle_base_seed(loader, self._base_seed, False, rng_before)
+        self._epoch = loader._next_epoch()
         self._progress = loader._progress
-        self._progress.epoch_begins(loader, loader._next_epoch(), None, 1, epoch_sampler_state,
+        # The base seed is saved only where samples are seeded from it.
+        self._progress.epoch_begins(loader, self._epoch,
+                                    self._base_seed if loader.seed_per_sample else None, 1,
+                                    epoch_sampler_state,
                                     fresh_workers=False, sampler_started=False)
+        self._position = 0  # epoch position of the next batch's first sample
+        if loader.seed_per_sample:
+            self._dataset_fetcher = _SeededFetcher(self, Samples(
+                self._dataset, self._auto_collation, self._collate_fn, self._base_seed))
         self._device_stage = DeviceStage(loader.device) if loader.device is not None else None
         self._next_idx = 0  # epoch index of the next batch
         self._replay = 0
@@ -60,11 +72,19 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
                         raise resume.sampler_ran_out(drawn) from None
 
     def _next_index(self):
+        """The next batch's indices; under seed_per_sample, the positions its
+        samples take are counted (see _SeededFetcher)."""
         self._progress.sampler_started = True
         if self._pending_first_draw is not None:
             resume, self._pending_first_draw = self._pending_first_draw, None
-            return resume.first_draw(super()._next_index)
-        return super()._next_index()
+            index = resume.first_draw(super()._next_index)
+        else:
+            index = super()._next_index()
+        if isinstance(self._dataset_fetcher, _SeededFetcher):
+            index = countable(index, self._auto_collation)
+            self._dataset_fetcher.position = self._position
+            self._position += positions_in(index, self._auto_collation)
+        return index
 
     def _dataset_state(self):
         if self._stateful is None:
@@ -94,3 +114,23 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
         if self._device_stage is not None:
             data = self._device_stage(data)
         return data
+
+
+class _SeededFetcher:
+    """seed_per_sample in this process: each sample seeded as a worker seeds
+    it (so batches are those of any num_workers), the process's own random
+    states put back after each batch."""
+
+    def __init__(self, iterator, samples: Samples):
+        self._epoch = iterator._epoch
+        self._samples = samples
+        self.position = 0  # of the batch fetched next (set as it is drawn)
+
+    def fetch(self, index):
+        states = random.getstate(), torch.get_rng_state(), np.random.get_state()
+        try:
+            return self._samples.batch(index, self._epoch, self.position)
+        finally:
+            random.setstate(states[0])
+            torch.set_rng_state(states[1])
+            np.random.set_state(states[2])

@@ -84,7 +84,7 @@ from ._ring import Ring
 from ._rings import SharedMemoryError, shm_full_message, transport_shm_full_message
 from ._samples import SampleLayout
 from ._sampler_state import attribute
-from ._seeding import seed_sample
+from ._seeding import Samples
 from ._worker_exit import exit_now, orphaned, set_exit_handlers
 
 NO_SLOT = -1  # every slot is held: use torch's transport
@@ -257,28 +257,6 @@ class _Busy:
             self._pending = [0, 0, 0, 0]
 
 
-class _Samples:
-    """Fetches single samples, seeded per sample when asked."""
-
-    def __init__(self, cfg, dataset, collate_fn):
-        self._dataset = dataset
-        self._auto_collation = cfg.auto_collation
-        self._collate_fn = collate_fn
-        self._seeded = cfg.seed_per_sample
-        self._base_seed = cfg.base_seed
-
-    def get(self, index, epoch, position):
-        if self._seeded:
-            seed_sample(self._base_seed, epoch, position)
-        return self._dataset[index]
-
-    def batch(self, index, epoch, position):
-        """A map-style batch fetched sample by sample (seed_per_sample)."""
-        if not self._auto_collation:
-            return self._collate_fn(self.get(index, epoch, position))
-        return self._collate_fn([self.get(i, epoch, position + k) for k, i in enumerate(index)])
-
-
 # A worker's exit status when the ring's fds did not reach it or could not be
 # mapped (no room for more open files), or when its address space had no room
 # for the ring: the main process names the cause (see _pool._exit_description).
@@ -386,8 +364,9 @@ def _run(cfg: WorkerConfig) -> None:
     if cfg.resume_state is not None and "random" in cfg.resume_state:
         restore_worker_rng(cfg.resume_state)
 
-    work = _Work(cfg, where, _Samples(cfg, dataset, collate_fn), slot_collate, collate_fn,
-                 stateful)
+    samples = Samples(dataset, cfg.auto_collation, collate_fn,
+                      cfg.base_seed if cfg.seed_per_sample else None)
+    work = _Work(cfg, where, samples, slot_collate, collate_fn, stateful)
     inbox = _Inbox(cfg.tasks, cfg.manager_pid)
     iteration_end = False
     while True:

@@ -109,11 +109,6 @@ def _check_map_style(loader):
         raise ValueError(
             "prefetch_next_epoch=True needs persistent_workers=True (and num_workers > 0): "
             "the workers that prefetch the next epoch must outlive this one.")
-    if loader.seed_per_sample and loader.num_workers == 0:
-        raise ValueError(
-            "seed_per_sample=True seeds worker processes; with num_workers=0 samples are "
-            "fetched in your process, whose random state it would overwrite. Use "
-            "num_workers >= 1.")
 
 
 # Generic like torch's (DataLoader[Tensor] in annotations and subclasses).
@@ -158,7 +153,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             from (base seed, epoch, sample position), so random augmentations
             are the same whatever num_workers, fetch or assignment is.
             Needs a map-style dataset (and uses __getitem__ per sample, never
-            __getitems__).
+            __getitems__).  With num_workers=0 the main process's random
+            states are put back after each batch.
         prefetch_next_epoch: with persistent_workers, start filling free
             slots with epoch e + 1 (calling sampler.set_epoch(e + 1) where the
             sampler has it) as soon as epoch e's sampler runs out, so the next

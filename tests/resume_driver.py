@@ -264,6 +264,11 @@ SCENARIOS = {
         make=_shuffled(**W2, fetch="sample", seed_per_sample=True),
         resume_make=_shuffled(num_workers=1, fetch="sample", seed_per_sample=True)),
     "batch_seeded_w2": dict(make=_shuffled(**W2, seed_per_sample=True)),
+    # seed_per_sample without workers: the augmentations too, and into and out of workers.
+    "batch_seeded_w0": dict(make=_shuffled(num_workers=0, seed_per_sample=True)),
+    "sample_seeded_w2_resumed_w0": dict(
+        make=_shuffled(**W2, fetch="sample", seed_per_sample=True),
+        resume_make=_shuffled(num_workers=0, fetch="sample", seed_per_sample=True)),
     "unordered_w2": dict(
         make=lambda: _loader(AugMap(slow=range(0, N, 5)), batch_size=BATCH, shuffle=True,
                              generator=_gen(), in_order=False, **W2),

@@ -6,8 +6,10 @@ draws stay torch's."""
 import collections
 import functools
 import gc
+import random
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
@@ -58,6 +60,7 @@ def reference():
 
 
 CONFIGS = {
+    "w0": dict(num_workers=0),  # in the main process, whose own random states stay its own
     "w3-batch": dict(num_workers=3),
     "w1-sample": dict(num_workers=1, fetch="sample"),
     "w3-sample-interleaved": dict(num_workers=3, fetch="sample", assignment="interleaved"),
@@ -162,6 +165,26 @@ def test_order_and_main_process_rng_are_torchs():
     D.assert_same(t2.rng_after, s2.rng_after, "main-process RNG after iterating (generator)")
 
 
+def test_main_process_rng_with_num_workers_0_is_as_with_workers():
+    """num_workers=0 fetches in the main process, but each batch's seeding is undone after it:
+    the samples' draws leave the loop's RNG as they do when workers make them (torch's loader
+    with workers: the same order, and the loop's own draws), where torch's num_workers=0 would
+    move it with every augmentation."""
+    def go(cls, **kw):
+        seed_all(SEED)
+        loader = cls(D.AugmentMap(N), batch_size=BS, shuffle=True, **kw)
+        draws = []
+        for _ in range(2):
+            for batch in loader:
+                draws.append((batch["index"], torch.rand(1), random.random(), np.random.rand()))
+        return draws
+
+    t, s = go(tud.DataLoader, num_workers=2), go(ShmDataLoader, seed_per_sample=True)
+    assert not same(t, go(tud.DataLoader))  # (the draws in this process are what differs)
+    D.assert_same([d[0] for d in t], [d[0] for d in s], "order")
+    D.assert_same([d[1:] for d in t], [d[1:] for d in s], "the loop's own draws")
+
+
 def test_prefetched_epoch_same_augmentations(reference):
     """prefetch_next_epoch does not change what seed_per_sample draws when the prefetched epoch
     is adopted (24 samples: the next epoch's sampler is not exhausted by the prefetch)."""
@@ -196,7 +219,6 @@ def test_discarded_prefetch_keeps_epoch_numbers():
 
 
 INVALID = {
-    "num-workers-0": (P(D.AugmentMap, 4), dict(seed_per_sample=True)),
     "iterable": (P(D.ShardedIterable, 4), dict(num_workers=2, seed_per_sample=True)),
     "not-a-bool": (P(D.AugmentMap, 4), dict(num_workers=2, seed_per_sample=1)),
 }
