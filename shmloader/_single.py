@@ -46,10 +46,10 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
                                     self._base_seed if loader.seed_per_sample else None, 1,
                                     epoch_sampler_state,
                                     fresh_workers=False, sampler_started=False)
-        self._position = 0  # epoch position of the next batch's first sample
         if loader.seed_per_sample:
-            self._dataset_fetcher = _SeededFetcher(self, Samples(
-                self._dataset, self._auto_collation, self._collate_fn, self._base_seed))
+            self._dataset_fetcher = _SeededFetcher(Samples(
+                self._dataset, self._auto_collation, self._collate_fn, self._base_seed),
+                self._auto_collation, self._epoch)
         self._device_stage = DeviceStage(loader.device) if loader.device is not None else None
         self._next_idx = 0  # epoch index of the next batch
         self._replay = 0
@@ -81,9 +81,7 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
         else:
             index = super()._next_index()
         if isinstance(self._dataset_fetcher, _SeededFetcher):
-            index = countable(index, self._auto_collation)
-            self._dataset_fetcher.position = self._position
-            self._position += positions_in(index, self._auto_collation)
+            index = self._dataset_fetcher.drawn(index)
         return index
 
     def _dataset_state(self):
@@ -121,15 +119,25 @@ class _SeededFetcher:
     it (so batches are those of any num_workers), the process's own random
     states put back after each batch."""
 
-    def __init__(self, iterator, samples: Samples):
-        self._epoch = iterator._epoch
+    def __init__(self, samples: Samples, auto_collation: bool, epoch: int):
         self._samples = samples
-        self.position = 0  # of the batch fetched next (set as it is drawn)
+        self._auto_collation = auto_collation
+        self._epoch = epoch
+        self._position = 0  # epoch position of the first sample of the batch drawn last
+        self._next_position = 0
+
+    def drawn(self, index):
+        """The batch just drawn (fetched next, or skipped by a resume): the
+        sample positions it takes."""
+        index = countable(index, self._auto_collation)
+        self._position = self._next_position
+        self._next_position += positions_in(index, self._auto_collation)
+        return index
 
     def fetch(self, index):
         states = random.getstate(), torch.get_rng_state(), np.random.get_state()
         try:
-            return self._samples.batch(index, self._epoch, self.position)
+            return self._samples.batch(index, self._epoch, self._position)
         finally:
             random.setstate(states[0])
             torch.set_rng_state(states[1])
