@@ -46,13 +46,16 @@ struct shmring_slot {
     uint64_t meta_len;
     /* Row-by-row batches: set by the consumer in rows_begin while CLAIMED,
      * before it tells any producer about the slot. */
-    _Atomic uint32_t next_row;    /* fetch_add by producers: the next unclaimed row */
+    /* The next unclaimed row (low 32 bits) of the batch whose seq's low 32
+     * bits are the high ones: a CAS by producers (row_claim).  The tag makes
+     * a late producer's CAS fail once the slot holds a later batch. */
+    _Atomic uint64_t next_claim;
     _Atomic uint32_t rows_done;   /* fetch_add (acq_rel) by producers per row written */
     _Atomic uint32_t rows_failed; /* rows whose sample raised instead */
     /* 1 once the slot's pages are reserved (shmring_reserve): a hint that
      * spares later writers the syscall; any of them may set it. */
     _Atomic uint32_t reserved;
-    char pad1[CACHE_LINE - 4 * 8 - 4 * 4];
+    char pad1[CACHE_LINE - 5 * 8 - 3 * 4];
 };
 
 /* Per-worker counters, added to by that worker (relaxed: totals only). */
@@ -329,6 +332,9 @@ int shmring_publish(shmring_t *r, uint32_t slot, uint64_t seq, uint64_t meta_off
     if (meta_off > r->hdr->slot_bytes || meta_len > r->hdr->slot_bytes - meta_off)
         return -ERANGE;
     struct shmring_slot *s = &r->slots[slot];
+    /* A publish out of turn (the slot not this producer's) is refused before
+     * it writes anything: a READY batch's descriptor stays as published. */
+    if (atomic_load_explicit(&s->state, memory_order_acquire) != SHMRING_CLAIMED) return -EBUSY;
     s->seq = seq;
     s->meta_off = meta_off;
     s->meta_len = meta_len;
@@ -342,6 +348,21 @@ int shmring_publish(shmring_t *r, uint32_t slot, uint64_t seq, uint64_t meta_off
     return 0;
 }
 
+#define CLAIM_ROW_MASK 0xffffffffull
+
+/* A pause between a producer's look at next_claim and its CAS, where it may
+ * be descheduled while the slot is done and begun again: only a test defines
+ * it (tests/c/row_claim_race.c), to stop there on purpose. */
+#ifdef SHMRING_ROW_CAS_PAUSE
+void SHMRING_ROW_CAS_PAUSE(void);
+#define row_cas_pause() SHMRING_ROW_CAS_PAUSE()
+#else
+#define row_cas_pause() ((void)0)
+#endif
+
+/* next_claim's tag for batch `seq`: its low 32 bits, above the row. */
+static uint64_t claim_tag(uint64_t seq) { return (seq & CLAIM_ROW_MASK) << 32; }
+
 int shmring_rows_begin(shmring_t *r, uint32_t slot, uint64_t seq, uint32_t nrows,
                        uint32_t first_row) {
     if (slot >= r->hdr->nslots) return -EINVAL;
@@ -354,29 +375,29 @@ int shmring_rows_begin(shmring_t *r, uint32_t slot, uint64_t seq, uint32_t nrows
     s->meta_len = 0;
     atomic_store_explicit(&s->rows_failed, 0, memory_order_relaxed);
     atomic_store_explicit(&s->rows_done, 0, memory_order_relaxed);
-    /* Last, with release: a producer whose acquire load of next_row sees
-     * this value sees this batch's seq and nrows too (see row_claim). */
-    atomic_store_explicit(&s->next_row, first_row, memory_order_release);
+    /* Last, with release: a producer whose acquire load of next_claim sees
+     * this value sees this batch's nrows too (see row_claim). */
+    atomic_store_explicit(&s->next_claim, claim_tag(seq) | first_row, memory_order_release);
     return 0;
 }
 
 int shmring_row_claim(shmring_t *r, uint32_t slot, uint64_t seq, uint32_t *row) {
     if (slot >= r->hdr->nslots) return -EINVAL;
     struct shmring_slot *s = &r->slots[slot];
-    uint32_t next = atomic_load_explicit(&s->next_row, memory_order_acquire);
-    /* A producer late to batch `seq` may find the slot already done and
-     * begun again for a later batch: then its seq differs (the acquire load
-     * above saw the later rows_begin), or next_row was still the old batch's
-     * (all rows taken: EAGAIN below).  A CAS from a value below nrows cannot
-     * succeed across a reuse, since the old batch could not have completed
-     * with a row untaken.  A CAS loop rather than fetch_add also keeps
-     * next_row from running past nrows however often claims are retried. */
-    if (s->seq != seq) return -ESTALE;
+    uint64_t tag = claim_tag(seq);
+    uint64_t claim = atomic_load_explicit(&s->next_claim, memory_order_acquire);
+    /* A producer late to batch `seq` may find the slot done and begun again
+     * for a later batch, at any moment up to its CAS: every try compares the
+     * tag, so it takes no row of that batch (the tag would repeat only after
+     * 2^32 batches).  A CAS loop rather than fetch_add also keeps the row
+     * from running past nrows however often claims are retried. */
     do {
-        if (next >= s->nrows) return -EAGAIN;
-    } while (!atomic_compare_exchange_weak_explicit(&s->next_row, &next, next + 1,
+        if ((claim & ~CLAIM_ROW_MASK) != tag) return -ESTALE;
+        if ((uint32_t)claim >= s->nrows) return -EAGAIN;
+        row_cas_pause();
+    } while (!atomic_compare_exchange_weak_explicit(&s->next_claim, &claim, claim + 1,
                                                     memory_order_acquire, memory_order_acquire));
-    *row = next;
+    *row = (uint32_t)claim;
     return 0;
 }
 
@@ -465,7 +486,13 @@ int shmring_slot_privatize(shmring_t *r, uint32_t slot) {
         return -err;
     }
     if (madvise(data, n, MADV_POPULATE_WRITE) != 0) {
-        if (errno != EINVAL) return -errno;
+        if (errno != EINVAL) {
+            /* Some pages not copied would show the slot's next batch: the
+             * shared mapping back, and the error (the caller holds no copy). */
+            int err = errno;
+            shmring_slot_share(r, slot);
+            return -err;
+        }
         /* Kernels before 5.14: a write of nothing to each page (an atomic
          * add of 0 cannot undo another thread's store) makes its copy. */
         long page = sysconf(_SC_PAGESIZE);

@@ -33,8 +33,9 @@
  *
  * Row-by-row batches (several producers fill one slot, a row each).  The
  * consumer claims the slot and sets its row count with rows_begin before any
- * producer hears of it.  Producers take rows (row_claim, a CAS on next_row, or
- * rows the caller assigns itself), write them, and call row_done: an acq_rel
+ * producer hears of it.  Producers take rows (row_claim, a CAS on next_claim:
+ * the next row tagged with the batch's seq, or rows the caller assigns
+ * itself), write them, and call row_done: an acq_rel
  * fetch_add on rows_done, so the producer that completes the count has seen
  * every row and publishes the slot for all of them.
  *
@@ -54,7 +55,7 @@
 #include <stdint.h>
 
 #define SHMRING_MAGIC 0x474e49524d485321ULL /* "!SHMRING" little-endian */
-#define SHMRING_VERSION 3u
+#define SHMRING_VERSION 4u
 #define SHMRING_MAX_SLOTS 4096u
 #define SHMRING_MAX_WORKERS 256u    /* workers with counters; more still work, uncounted */
 #define SHMRING_WORKER_COUNTERS 4   /* what each counts is the caller's business */

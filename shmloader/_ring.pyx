@@ -7,6 +7,7 @@ SlotLease is the consumer's SlotMemory for a READY slot and gives the slot
 back to the ring when the last object viewing it is gone.  _check is the one
 place where a C return code becomes a Python exception.
 """
+import gc
 import os
 import time
 
@@ -15,6 +16,7 @@ cimport cython
 from cpython.buffer cimport PyBUF_WRITABLE
 from cpython.exc cimport PyErr_CheckSignals
 from libc.errno cimport EAGAIN, EINTR, ESTALE, ETIMEDOUT
+from libc.limits cimport INT_MAX
 from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
@@ -270,10 +272,19 @@ cdef class Ring:
         registration covers the shared pages)."""
         if self.release_hook is not None or getpid() != self._owner:
             return
-        for slot in sorted(self._held - self._private):
-            _check(shmring_slot_privatize(self._r, slot),
-                   f"copying slot {slot} before a fork")
-            self._private.add(slot)
+        # No garbage collection meanwhile: it could release a lease whose
+        # slot is on the list (FREE then, and refilled by a worker), which
+        # would then be copied and read here as that batch.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for slot in sorted(self._held - self._private):
+                _check(shmring_slot_privatize(self._r, slot),
+                       f"copying slot {slot} before a fork")
+                self._private.add(slot)
+        finally:
+            if collecting:
+                gc.enable()
 
     def memory(self, uint32_t slot):
         """A writable buffer over slot `slot`'s data (producer side)."""
@@ -301,14 +312,16 @@ cdef class Ring:
             while True:
                 if deadline is None:
                     ms = -1
-                else:
-                    ms = max(0, int((deadline - time.monotonic()) * 1000 + 0.999))
+                else:  # (a timeout beyond an int's milliseconds, 24.8 days, in parts)
+                    ms = int(min(INT_MAX, max(0.0, (deadline - time.monotonic()) * 1000 + 0.999)))
                 with nogil:
                     rc = shmring_wait(self._r, ms, pfds, n)
                 if rc == -EINTR:
                     PyErr_CheckSignals()
                     continue
                 if rc == -ETIMEDOUT:
+                    if ms == INT_MAX:
+                        continue
                     return None
                 _check(rc, "waiting on the ring")
                 return [fds[i] for i in range(n) if pfds[i].revents]

@@ -145,3 +145,19 @@ def test_ring_stress(build_dir, name):
         + (f" with sanitizer reports {reports}" if reports else "") + f":\n{out}")
     for phase in ("copy:", "api:", "procs:", "death:", "threads:", "OK"):
         assert f"ring_stress: {phase}" in out, f"phase {phase!r} did not report:\n{out}"
+
+
+def test_a_late_producer_takes_no_row_of_the_slots_next_batch(build_dir):
+    """fetch="sample" with assignment="dynamic": a worker stopped inside row_claim between its
+    look at the slot and its CAS, while the batch is completed and the slot begun again for
+    the next one, must not take (and fill with its own sample) a row of that next batch.
+    tests/c/row_claim_race.c stops it there through the pause shmring.c leaves for it."""
+    _probe(build_dir, "plain", ["-O2"])
+    exe = build_dir / "row_claim_race"
+    res = subprocess.run([CC, *COMMON, "-O2", "-DSHMRING_ROW_CAS_PAUSE=row_cas_pause_here",
+                          str(ROOT / "tests" / "c" / "row_claim_race.c"),
+                          str(ROOT / "csrc" / "shmring.c"), "-o", str(exe)],
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, f"building row_claim_race failed:\n{res.stderr}"
+    rc, out = _run([str(exe)], 30)
+    assert rc == 0 and "late producer: -ESTALE" in out, out
