@@ -666,7 +666,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             if self._ring is not None:
                 fired = self._ring.wait(timeout, self._pool.wait_fds)
             else:
-                fired = wait_fds(self._pool.wait_fds, timeout) or None
+                fired = _wait_fds(self._pool.wait_fds, timeout) or None
             self._counters.wait_seconds += time.perf_counter() - started
             if fired is None:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
@@ -991,6 +991,22 @@ class IterableShmLoaderIter(ShmLoaderIter):
 
 # What _process_data returns for a batch fetched again after a resume and dropped.
 _REPLAYED = object()
+
+
+# poll() takes milliseconds in a C int: a longer timeout is slept in parts.
+_LONGEST_POLL_S = (2**31 - 1) / 1000
+
+
+def _wait_fds(fds, timeout):
+    """multiprocessing.connection.wait(fds, timeout) for any timeout (torch's
+    timeout= takes a month; the ring's wait does too)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        part = None if deadline is None else \
+            max(0.0, min(deadline - time.monotonic(), _LONGEST_POLL_S))
+        fired = wait_fds(fds, part)
+        if fired or part is None or part < _LONGEST_POLL_S:
+            return fired
 
 
 def _kind(payload) -> str:

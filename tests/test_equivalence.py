@@ -647,6 +647,17 @@ def test_timeout_raises_like_torch():
     D.assert_same(t, s, "timeout")
 
 
+@pytest.mark.parametrize("timeout", [3e6, float("inf")], ids=["a-month", "inf"])
+@pytest.mark.parametrize("fetch", ["batch", "sample"])
+def test_a_timeout_beyond_pollings_milliseconds_is_taken(timeout, fetch):
+    """poll() counts milliseconds in a C int (24.8 days): torch's loader raises OverflowError
+    from its queue for a longer timeout; shmloader waits in parts, before the ring exists
+    (the first batches) and after."""
+    loader = ShmDataLoader(D.IndexMap(40), batch_size=4, num_workers=2, timeout=timeout,
+                           fetch=fetch)
+    D.assert_same(list(loader), list(TorchDataLoader(D.IndexMap(40), batch_size=4)), "batches")
+
+
 def test_timeout_with_num_workers_0_fails_like_torch():
     def go(cls):
         loader = cls(D.IndexMap(4), timeout=1.0)
