@@ -187,7 +187,8 @@ cdef class Ring:
         lease.seq = seq
         lease.meta_off = meta_off
         lease.meta_len = meta_len
-        shmring_slot_rows(self._r, slot, &lease.rows, &lease.failed_rows)
+        _check(shmring_slot_rows(self._r, slot, &lease.rows, &lease.failed_rows),
+               f"reading the rows of slot {slot}")
         return lease
 
     def rows_begin(self, uint32_t slot, uint64_t seq, uint32_t nrows, uint32_t first_row=0):
@@ -219,14 +220,14 @@ cdef class Ring:
         cdef uint64_t add[SHMRING_WORKER_COUNTERS]
         if worker < SHMRING_MAX_WORKERS:
             add[0], add[1], add[2], add[3] = a, b, c, d
-            shmring_worker_add(self._r, worker, add)
+            _check(shmring_worker_add(self._r, worker, add), f"counting for worker {worker}")
 
     def worker_read(self, uint32_t worker):
         """Worker `worker`'s counters, a tuple (zeros past MAX_WORKERS)."""
         cdef uint64_t out[SHMRING_WORKER_COUNTERS]
         if worker >= SHMRING_MAX_WORKERS:
             return (0,) * SHMRING_WORKER_COUNTERS
-        shmring_worker_read(self._r, worker, out)
+        _check(shmring_worker_read(self._r, worker, out), f"reading worker {worker}'s counts")
         return tuple(out[i] for i in range(SHMRING_WORKER_COUNTERS))
 
     def release(self, uint32_t slot):
