@@ -369,6 +369,19 @@ def test_worker_exception_reraised_and_next_epoch_works(context):
         assert seen == [0, 4, "error", 12, 16, 20]
 
 
+def test_a_finished_non_persistent_iterator_kept_has_no_workers():
+    """torch's iterator ends its workers when its epoch ends, whether or not the loop keeps
+    the iterator: so must shmloader's (their processes, and the ring they map)."""
+    children = set(own_children())
+    loader = DataLoader(Images(16), batch_size=4, num_workers=2)
+    it = iter(loader)
+    workers = set(own_children()) - children
+    assert len(workers) == 2
+    assert len(list(it)) == 4
+    assert wait_gone(list(workers), 15)[0] == [], describe_stuck(workers)
+    del it
+
+
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSEGV, signal.SIGTERM])
 def test_worker_killed_by_signal_names_pid_and_signal(signum):
     loader = DataLoader(Dying(64, at=20, signum=int(signum)), batch_size=2, num_workers=2)

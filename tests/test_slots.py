@@ -687,6 +687,83 @@ def test_fewer_slots_than_in_flight_warns_and_still_delivers():
     assert [torch.equal(a, b) for a, b in zip(got, _expected(64, 4))] == [True] * 16
 
 
+@pytest.mark.parametrize("num_slots,warns", [(5, True), (6, False)])
+def test_num_slots_warning_only_below_what_is_in_flight_plus_two(num_slots, warns):
+    """2 workers x prefetch_factor 2 = 4 batches in flight, plus the one yielded and the one
+    the loop holds: 6 slots are enough, and said to be."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DataLoader(Images(8), batch_size=4, num_workers=2, num_slots=num_slots)
+    assert [str(w.message) for w in caught if "num_slots" in str(w.message)] != [] if warns \
+        else not caught, [str(w.message) for w in caught]
+
+
+def test_a_batch_of_exactly_slot_bytes_fits_its_slot():
+    data = torch.zeros(4, 8192, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the spill warning
+        got = list(DataLoader(data, batch_size=None, num_workers=1, slot_bytes=8192))
+    assert len(got) == 4
+    with pytest.warns(UserWarning, match="did not fit its slot"):
+        list(DataLoader(torch.zeros(4, 8193, dtype=torch.uint8), batch_size=None,
+                        num_workers=1, slot_bytes=8192))
+
+
+class _FailsAtEveryFourth(Images):
+    def __getitem__(self, i):
+        if i % 4 == 3:
+            raise ValueError(f"sample {i} is broken")
+        return super().__getitem__(i)
+
+
+class _UnevenStream(torch.utils.data.IterableDataset):
+    """Worker 0 yields one image, worker 1 twelve: tasks keep coming to worker 0 after it
+    ran out (prefetch_factor 4), and it answers each without a batch."""
+
+    def __iter__(self):
+        worker = torch.utils.data.get_worker_info()
+        for i in range(1 if worker.id == 0 else 12):
+            yield torch.full((3, 8, 8), i, dtype=torch.uint8)
+
+
+def _fails_in_worker_1(worker_id):
+    if worker_id == 1:
+        raise ValueError("worker_init_fn failed in worker 1")
+
+
+ERROR_PATHS = {
+    "sample-raises": dict(dataset=_FailsAtEveryFourth(64), batch_size=2),
+    "worker_init_fn-raises": dict(dataset=Images(64), batch_size=2,
+                                  worker_init_fn=_fails_in_worker_1),
+    "stream-ran-out": dict(dataset=_UnevenStream(), batch_size=1, prefetch_factor=4),
+}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("path", list(ERROR_PATHS))
+def test_every_error_path_gives_its_slot_back(path, persistent):
+    """A task a worker answers without a batch (its sample raised, its worker_init_fn
+    failed, its stream ran out before it came) gives back the slot claimed for it: over
+    epochs no slot is lost, so no batch travels by torch's transport for want of one."""
+    loader = DataLoader(num_workers=2, slot_bytes=SLOT, persistent_workers=persistent,
+                        **ERROR_PATHS[path])
+    batches = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the ring-full warning
+        for _ in range(4):
+            it = iter(loader)
+            while True:
+                try:
+                    next(it)
+                    batches += 1
+                except ValueError:
+                    continue
+                except StopIteration:
+                    break
+    stats = loader.stats()
+    assert stats.ring_full_batches == 0 and stats.slot_batches == batches > 0, stats
+
+
 def test_no_ring_no_warning_about_its_slots():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
