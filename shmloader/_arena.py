@@ -262,37 +262,33 @@ class Measure:
         """The bytes Arena.place_all would take: a leaf alone densely, one
         spanning its storage with its storage's bytes, leaves viewing one
         storage with the bytes they span together, once; each with a
-        reference as long as the real one will be, so that the metadata is
-        measured too."""
+        reference at least as long as the real one will be (offsets no
+        smaller), so that the metadata is measured too."""
         shared = shared_spans(leaves)
-        counted = set()  # storages whose shared span is counted
+        copies = {}  # _storage_key -> (slot offset, bytes) of its views' one copy
         refs = []
         for leaf in leaves:
             offset = aligned(self.used)
-            self.used = offset + self._bytes_of(leaf, shared, counted)
             if isinstance(leaf, np.ndarray):
+                self.used = offset + leaf.nbytes
                 refs.append(_layout.array_ref(offset, leaf.dtype, leaf.shape, leaf.strides))
+                continue
+            sent = _as_torch_sends(leaf)
+            key = _storage_key(sent)
+            if key in shared:
+                if key not in copies:
+                    first, end = shared[key]
+                    copies[key] = (offset, end - first)
+                    self.used = offset + end - first
+                storage = copies[key]
+                offset = sum(storage)  # past any view's own offset in the copy
             else:
-                refs.append(_layout.tensor_ref(offset, leaf.dtype, leaf.shape, leaf.stride(),
-                                               leaf.requires_grad, (offset, leaf.nbytes)))
+                start, end = _byte_range(sent)
+                self.used = offset + (end - start if _spans_its_storage(sent) else leaf.nbytes)
+                storage = (offset, leaf.nbytes)  # (where Arena's is None: longer)
+            refs.append(_layout.tensor_ref(offset, leaf.dtype, leaf.shape, leaf.stride(),
+                                           leaf.requires_grad, storage))
         return refs
-
-    @staticmethod
-    def _bytes_of(leaf, shared, counted) -> int:
-        if isinstance(leaf, np.ndarray):
-            return leaf.nbytes
-        sent = _as_torch_sends(leaf)
-        key = _storage_key(sent)
-        if key in shared:
-            if key in counted:
-                return 0
-            counted.add(key)
-            first, end = shared[key]
-            return end - first
-        if _spans_its_storage(sent):
-            start, end = _byte_range(sent)
-            return end - start
-        return leaf.nbytes
 
 
 def slot_bytes_needed(batch) -> int:

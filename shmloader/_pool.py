@@ -258,7 +258,7 @@ class WorkerPool:
             killed = any(p.exitcode == -signal.SIGKILL for _, p in dead)
             raise WorkerDied(
                 f"{details} ({which}; shmloader stopped the other workers"
-                + ("; where the kernel sent a SIGKILL, that worker ran out of memory)"
+                + ("; a worker killed by SIGKILL may have run out of memory)"
                    if killed else ")"))
 
     def shutdown(self, graceful: bool = True) -> None:

@@ -195,7 +195,7 @@ cdef class Ring:
         """Make CLAIMED `slot` a batch of `nrows` rows that producers fill
         (rows below first_row are already someone's)."""
         _check(shmring_rows_begin(self._r, slot, seq, nrows, first_row),
-               f"starting rows of slot {slot} (must be CLAIMED, 0 <= first_row < nrows)")
+               f"starting rows of slot {slot} (must be CLAIMED, 0 <= first_row <= nrows)")
 
     def row_claim(self, uint32_t slot, uint64_t seq):
         """The next unclaimed row of batch `seq` in `slot`, or None when all are
@@ -280,9 +280,11 @@ cdef class Ring:
         gc.disable()
         try:
             for slot in sorted(self._held - self._private):
-                _check(shmring_slot_privatize(self._r, slot),
-                       f"copying slot {slot} before a fork")
+                rc = shmring_slot_privatize(self._r, slot)
+                # Failed, it may have left the slot partly private: its release
+                # maps it back shared (harmless where nothing changed).
                 self._private.add(slot)
+                _check(rc, f"copying slot {slot} before a fork")
         finally:
             if collecting:
                 gc.enable()

@@ -133,10 +133,11 @@ _BYTES = 64 << 20
 _SAMPLED = 1024
 # Values that cannot change in place (an index, a weight, a name).
 _IMMUTABLE = (*_PRIMITIVES, np.generic)
-# Objects whose attributes are not a sampler's state: code, and the data and
-# the loaders themselves (their counters move with every batch).
+# Objects whose attributes are not a sampler's state: code, and the loaders
+# themselves (their counters move with every batch).  (The loader's dataset
+# counts by its length alone: see _Snapshot._of.)
 _OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-           types.MethodType, Dataset, DataLoader, _BaseDataLoaderIter)
+           types.MethodType, DataLoader, _BaseDataLoaderIter)
 
 
 class _Snapshot:
@@ -166,11 +167,12 @@ class _Snapshot:
         if value is self._dataset:  # a sampler's data_source: the data, not how it is drawn
             return ("dataset", _length(value))
         self._nodes += 1
-        if isinstance(value, Dataset):  # another one: its length, as a sampler draws from it
-            return ("object", id(value), _length(value))
+        # Another dataset (a Subset whose indices a sampler draws from): its
+        # length too, and its attributes like any object's.
+        length = (_length(value),) if isinstance(value, Dataset) else ()
         if depth >= _DEPTH or self._nodes > _NODES or isinstance(value, _OPAQUE):
-            return ("object", id(value))
-        return self._content(value, depth + 1)
+            return ("object", id(value), *length)
+        return (self._content(value, depth + 1), *length)
 
     def _content(self, value, depth):
         if isinstance(value, (list, tuple, collections.deque)):

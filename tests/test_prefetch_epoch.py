@@ -531,6 +531,36 @@ def test_a_dataset_whose_length_changes_between_epochs(shuffle, change):
     assert run(prefetching()) == run(TorchDataLoader)
 
 
+class _SubsetSampler(tud.Sampler):
+    """Draws the indices of a Subset it holds (a curriculum changes them in place)."""
+
+    def __init__(self, subset):
+        self.subset = subset
+
+    def __iter__(self):
+        return iter(self.subset.indices)
+
+    def __len__(self):
+        return len(self.subset.indices)
+
+
+def test_a_subset_whose_indices_change_in_place_between_epochs():
+    """A dataset a sampler holds (not the loader's own) is followed into like any object:
+    its indices changed in place, at the same length, drop the prefetched epoch."""
+    def run(cls, **kw):
+        base = list(range(100))
+        subset = tud.Subset(base, list(range(16)))
+        loader = cls(base, batch_size=4, sampler=_SubsetSampler(subset), num_workers=1,
+                     persistent_workers=True, **kw)
+        out = []
+        for e in range(3):
+            out.append([b.tolist() for b in loader])
+            subset.indices[:] = range(50 + 10 * e, 66 + 10 * e)
+        return out
+
+    assert run(prefetching()) == run(TorchDataLoader)
+
+
 def test_break_after_the_sampler_ran_out_leaves_the_ring_its_slots():
     """The broken-off epoch's tasks still in flight are awaited before the adopted epoch
     fills its window, so their slots are free for it: no batch falls back to torch's
