@@ -148,7 +148,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
                 dataset_kind=self._dataset_kind,
                 dataset=self._dataset,
                 auto_collation=self._auto_collation,
-                collate_fn=None if slot_collate else self._collate_fn,
+                collate_fn=self._collate_fn,
                 slot_collate=slot_collate,
                 drop_last=self._drop_last,
                 base_seed=self._base_seed,

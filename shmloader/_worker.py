@@ -99,8 +99,8 @@ class WorkerConfig:
     dataset_kind: int
     dataset: Any
     auto_collation: bool
-    collate_fn: Callable | None  # the loader's (None: a user set it so, as torch calls it)
-    slot_collate: bool  # SlotCollate instead (the loader uses default_collate)
+    collate_fn: Callable | None  # the loader's, called as torch calls it (None too)
+    slot_collate: bool  # SlotCollate in its place (it is default_collate)
     drop_last: bool
     base_seed: int
     init_fn: Callable | None
