@@ -73,7 +73,8 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             raise AssertionError(
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
         loader._take_resume()  # this iterator resumes it
-        self._progress = loader._progress
+        # Its own record: state_dict() describes the loader's newest iterator.
+        self._progress = loader._progress = Progress()
         self._resume = resume
         # Per worker, the numbers of its tasks to fetch again and drop (see _resume_epoch).
         self._replay = None
@@ -461,8 +462,10 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         if self._ring is not None and self._outgrown():
             return False  # the ring is made anew, larger, as the next epoch starts
         loader = self._loader_ref()
-        if loader is None or not can_prefetch(loader):  # nobody can start another epoch, or
-            return False  # a sampler's set_epoch could not be undone after the draws
+        # Nobody can start another epoch; or the loader let this iterator go
+        # (load_state_dict); or a sampler's set_epoch could not be undone after the draws.
+        if loader is None or loader._iterator is not self or not can_prefetch(loader):
+            return False
         self._next_epoch_at = self._send_idx
         self._epoch = loader._next_epoch()
         self._next_epoch_start = Progress()

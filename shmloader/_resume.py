@@ -109,13 +109,14 @@ def _rng_only(snapshot) -> dict | None:
     return state if state is None or state["dataset"] is None else {**state, "dataset": None}
 
 
-def restore_worker_rng(state: dict) -> None:
-    """Set this worker's random, numpy and torch RNGs from a plain worker state."""
+def restore_worker_rng(state: dict, python=random, numpy=np.random, torch_rng=None) -> None:
+    """Set this worker's random, numpy and torch RNGs from a plain worker state
+    (or the RNGs given: load_state_dict tries a state on fresh ones)."""
     r, n = state["random"], state["numpy"]
-    random.setstate((r["version"], tuple(array("I", r["internal"])), r["gauss"]))
-    np.random.set_state((n["name"], np.frombuffer(n["keys"], dtype=np.uint32).copy(), n["pos"],
-                         n["has_gauss"], n["cached"]))
-    torch.set_rng_state(state["torch"])
+    python.setstate((r["version"], tuple(array("I", r["internal"])), r["gauss"]))
+    numpy.set_state((n["name"], np.frombuffer(n["keys"], dtype=np.uint32).copy(), n["pos"],
+                     n["has_gauss"], n["cached"]))
+    (torch_rng or torch.default_generator).set_state(state["torch"])
 
 
 # ---- main side ----------------------------------------------------------------
@@ -317,6 +318,11 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _above(below: int, beyond: list) -> bool:
+    """Whether `beyond` lists distinct numbers past `below` (below them, all were yielded)."""
+    return len(set(beyond)) == len(beyond) and all(n > below for n in beyond)
+
+
 def _worker_states(value) -> bool:
     """A list of plain worker states: a dataset's state, with RNG states or (the
     main process's, without workers) none."""
@@ -329,7 +335,8 @@ def _worker_states(value) -> bool:
 # What each field of a state must be: (description, test).
 def _yielded_numbers(value) -> bool:
     return isinstance(value, list) and len(value) == 2 and _is_int(value[0]) \
-        and value[0] >= 0 and isinstance(value[1], list) and all(map(_is_int, value[1]))
+        and value[0] >= 0 and isinstance(value[1], list) and all(map(_is_int, value[1])) \
+        and _above(value[0], value[1])
 
 
 _FIELDS = {
@@ -341,7 +348,8 @@ _FIELDS = {
                                lambda v: isinstance(v, list) and all(map(_is_int, v))),
     "batches_yielded_by_worker": ("a list of [int >= 0, list of ints] per worker",
                                   lambda v: isinstance(v, list) and all(_yielded_numbers(w) for w in v)),
-    "base_seed": ("an int or None", lambda v: v is None or _is_int(v)),
+    # (torch draws it as a non-negative int64)
+    "base_seed": ("an int in [0, 2**63) or None", lambda v: v is None or _is_int(v) and 0 <= v < 1 << 63),
     "generator_state": ("a tensor or None", lambda v: v is None or isinstance(v, torch.Tensor)),
     "sampler_generator_states": ("a list of tensors", lambda v: isinstance(v, list) and all(
         isinstance(t, torch.Tensor) for t in v)),
@@ -428,7 +436,58 @@ def check_state(loader, state) -> dict:
             "a state resumes only the same dataset with the same batching. "
             + ("(num_workers may differ with seed_per_sample=True.)"
                if "num_workers" in differ else ""))
+    _check_consistent(loader, state)
     return state
+
+
+def _check_consistent(loader, state) -> None:
+    """The fields' values agree with each other, and the RNG states restore
+    (tried on fresh RNGs: a worker that failed to would die with the cause
+    seen only on its stderr)."""
+    if not _above(state["batches_yielded"], state["batches_yielded_beyond"]):
+        raise ValueError(
+            f"this state's 'batches_yielded_beyond' {state['batches_yielded_beyond']!r:.200} should "
+            f"list distinct batches after the first {state['batches_yielded']} (its "
+            "'batches_yielded'); was it changed after state_dict()?")
+    workers = state["config"]["num_workers"]  # (may differ from the loader's: seed_per_sample)
+    if not (_is_int(workers) and workers >= 0):
+        raise ValueError(f"this state's config 'num_workers' should be an int >= 0, but it is "
+                         f"{workers!r:.200}; was it changed after state_dict()?")
+    per_worker = max(1, workers)  # num_workers=0: the main process's
+    # Mid-epoch, an entry per worker; at an epoch's end, those or none.
+    lengths = (per_worker,) if not state["epoch_finished"] else (0, per_worker)
+    for key in ("worker_states", "epoch_start_worker_states", "batches_yielded_by_worker"):
+        if len(state[key]) not in lengths:
+            raise ValueError(
+                f"this state's {key!r} has {len(state[key])} entries, but it was saved "
+                f"{'mid-epoch ' if len(lengths) == 1 else ''}with num_workers={workers} "
+                f"(so {' or '.join(map(str, lengths))}); was it changed after state_dict()?")
+    for key in ("worker_states", "epoch_start_worker_states"):
+        for worker_id, worker_state in enumerate(state[key]):
+            if worker_state is not None and "random" in worker_state:
+                _check_restores(f"{key}[{worker_id}]", lambda s=worker_state: restore_worker_rng(
+                    s, random.Random(), np.random.RandomState(), torch.Generator()))
+    generators = [loader.generator] if loader.generator is not None else [None]
+    for key, saved, fits in (
+            ("generator_state", [state["generator_state"]], generators),
+            ("torch_rng_state", [state["torch_rng_state"]], [None]),
+            ("sampler_generator_states", state["sampler_generator_states"],
+             sampler_generators(loader))):
+        if len(saved) != len(fits):  # (restore_sampler then leaves them as they are)
+            continue
+        for i, (tensor, like) in enumerate(zip(saved, fits)):
+            if tensor is not None:
+                device = like.device if like is not None else "cpu"
+                _check_restores(f"{key}" + (f"[{i}]" if len(fits) > 1 else ""),
+                                lambda t=tensor, d=device: torch.Generator(device=d).set_state(t))
+
+
+def _check_restores(field: str, restore) -> None:
+    try:
+        restore()
+    except Exception as e:
+        raise ValueError(f"this state's {field!r} holds RNG states that do not restore "
+                         f"({type(e).__name__}: {e}); was it changed after state_dict()?") from None
 
 
 class Resume:

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
 from ._cuda import DeviceStage
-from ._resume import own_state, replay_message, sampler_state
+from ._resume import Progress, own_state, replay_message, sampler_state
 from ._sampler_state import attribute
 from ._seeding import Samples, countable, positions_in
 from ._warn import WarnsBetweenBatches
@@ -40,7 +40,8 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
         if resume is not None:
             self._base_seed = resume.settle_base_seed(loader, self._base_seed, False, rng_before)
         self._epoch = loader._next_epoch()
-        self._progress = loader._progress
+        # Its own record: state_dict() describes the loader's newest iterator.
+        self._progress = loader._progress = Progress()
         # The base seed is saved only where samples are seeded from it.
         self._progress.epoch_begins(loader, self._epoch,
                                     self._base_seed if loader.seed_per_sample else None, 1,
@@ -92,11 +93,16 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
     def _next_data(self):
         if self._deferred_warnings:
             self._raise_deferred_warning()
-        while self._replay:
-            self._replay -= 1
-            self._next_idx += 1
-            with contextlib.suppress(Exception):
-                super()._next_data()
+        if self._replay:
+            # The batches yielded before the state was taken, fetched again
+            # and dropped: in this process, whose RNGs the user restores to
+            # where they stood after those batches, so their draws are undone.
+            with _process_rngs_kept():
+                while self._replay:
+                    self._replay -= 1
+                    self._next_idx += 1
+                    with contextlib.suppress(Exception):
+                        super()._next_data()
         idx, self._next_idx = self._next_idx, self._next_idx + 1
         try:
             data = super()._next_data()
@@ -135,10 +141,17 @@ class _SeededFetcher:
         return index
 
     def fetch(self, index):
-        states = random.getstate(), torch.get_rng_state(), np.random.get_state()
-        try:
+        with _process_rngs_kept():
             return self._samples.batch(index, self._epoch, self._position)
-        finally:
-            random.setstate(states[0])
-            torch.set_rng_state(states[1])
-            np.random.set_state(states[2])
+
+
+@contextlib.contextmanager
+def _process_rngs_kept():
+    """This process's random, torch and numpy RNGs as they were before."""
+    states = random.getstate(), torch.get_rng_state(), np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        torch.set_rng_state(states[1])
+        np.random.set_state(states[2])

@@ -307,11 +307,14 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Resume from a state_dict() of a loader over the same dataset with
-        the same batching (else ValueError); call it before iter()."""
+        the same batching (else ValueError); call it before iter().  A
+        persistent iterator already running goes on with its epoch, no longer
+        this loader's (as in torchdata's StatefulDataLoader)."""
         state = check_state(self, state_dict)
-        if self._iterator is not None:  # a persistent iterator: start afresh
-            self._iterator._shutdown_workers()
-            self._iterator = None
+        # A persistent iterator is let go, as torchdata's StatefulDataLoader
+        # does: the next iter() starts afresh, while one still in use goes on
+        # with its workers (until it is dropped) and no longer counts here.
+        self._iterator = None
         self._resume = Resume(self, state)
         self._progress = Progress()
         self._epochs_started = state["epoch"]

@@ -63,11 +63,14 @@ import collections
 import io
 import os
 import pickle
+import random
+import re
 import subprocess
 import sys
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -1061,8 +1064,8 @@ class _FirstSampleSlow(torch.utils.data.Dataset):
 
 def test_load_into_a_used_persistent_loader_frees_the_batches_waiting_their_turn():
     """Batches that arrived before their turn belong to the live iterator that
-    load_state_dict() ends: their slots are free for the next epoch, so it yields every batch
-    through the ring, with no ring-full warning, even while that iterator is referenced."""
+    load_state_dict() lets go: they hold none of the next epoch's slots, so it yields every
+    batch through the ring, with no ring-full warning, even while that iterator is referenced."""
     import shmloader
 
     loader = shmloader.DataLoader(_FirstSampleSlow(), batch_size=1, num_workers=2,
@@ -1077,3 +1080,134 @@ def test_load_into_a_used_persistent_loader_frees_the_batches_waiting_their_turn
         assert [b.tolist() for b in loader] == expected
     assert loader.stats().ring_full_batches == 0
     del it
+
+
+def _set_in(path, value):
+    """A change to one field of a state, at `path` (keys and indices)."""
+    def change(state):
+        *outer, last = path
+        for key in outer:
+            state = state[key]
+        state[last] = value
+    return change
+
+
+@pytest.mark.parametrize("field, change", [
+    ("worker_states[0]", _set_in(["worker_states", 0, "torch"], torch.zeros(3, dtype=torch.uint8))),
+    ("worker_states[0]", _set_in(["worker_states", 0, "numpy", "keys"], b"12")),
+    ("worker_states[0]", _set_in(["worker_states", 0, "random", "internal"], b"12")),
+    ("epoch_start_worker_states[0]", _set_in(["epoch_start_worker_states", 0],
+                                             {"random": {"version": 3, "internal": b"", "gauss": None},
+                                              "numpy": {}, "torch": torch.zeros(1), "dataset": None})),
+    ("torch_rng_state", _set_in(["torch_rng_state"], torch.zeros(3, dtype=torch.uint8))),
+    ("generator_state", _set_in(["generator_state"], torch.zeros(3, dtype=torch.uint8))),
+    ("base_seed", _set_in(["base_seed"], 2 ** 70)),
+    ("base_seed", _set_in(["base_seed"], -5)),
+    ("worker_states", _set_in(["worker_states"], [])),
+    ("worker_states", _set_in(["worker_states"], [None])),
+    ("batches_yielded_by_worker", _set_in(["batches_yielded_by_worker"], [[0, []]])),
+    ("batches_yielded_by_worker", _set_in(["batches_yielded_by_worker", 0], [1, [1]])),
+    ("batches_yielded_beyond", _set_in(["batches_yielded_beyond"], [0])),
+    ("batches_yielded_beyond", _set_in(["batches_yielded_beyond"], [5, 5])),
+    ("num_workers", _set_in(["config", "num_workers"], "2")),
+])
+def test_a_state_whose_rng_states_or_counts_were_changed_is_refused(field, change):
+    """Values that fit their field's type but not the state (an RNG state of the wrong size,
+    a seed torch never draws, per-worker lists of another length, yielded batches listed
+    twice) are a ValueError naming the field at load_state_dict, not a worker's death whose
+    cause only its stderr shows, nor a resume with fresh seeds."""
+    def make():
+        return _map_loader(batch_size=4, num_workers=2, seed_per_sample=field == "num_workers",
+                           generator=torch.Generator().manual_seed(0))
+
+    state = _mid_epoch_state(make)
+    change(state)
+    with pytest.raises(ValueError, match=re.escape(repr(field))):
+        make().load_state_dict(state)
+
+
+def test_a_live_persistent_iterator_goes_on_after_load_state_dict():
+    """As torchdata's StatefulDataLoader: load_state_dict lets the loader's persistent
+    iterator go without ending it, so a loop still using it gets the rest of its epoch
+    (not a silent early end), and the next iter() resumes the loaded state."""
+    def make():
+        return _map_loader(batch_size=4, num_workers=2, persistent_workers=True,
+                           generator=torch.Generator().manual_seed(0))
+
+    loader = make()
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    rest = [D.record(b) for b in it]
+    loader = make()
+    it = iter(loader)
+    next(it)
+    loader.load_state_dict(state)
+    assert [D.record(b) for b in it] == rest
+    assert [D.record(b) for b in loader] == rest
+    del it
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_state_dict_describes_the_newest_of_two_live_iterators(num_workers):
+    """Two live iterators of one loader (torch allows it without persistent workers) are
+    independent: the older one's batches and its end do not count in the newer one's state."""
+    def make():
+        return _map_loader(batch_size=4, num_workers=num_workers,
+                           generator=torch.Generator().manual_seed(0))
+
+    loader = make()
+    older = iter(loader)
+    next(older)
+    newer = iter(loader)
+    next(newer)
+    list(older)
+    state = loader.state_dict()
+    assert (state["epoch"], state["epoch_finished"], state["batches_yielded"]) == (1, False, 1)
+    rest = [D.record(b) for b in newer]
+    resumed = make()
+    resumed.load_state_dict(state)
+    got = [D.record(b) for b in resumed]
+    if num_workers == 0:  # the augmentations drew from this process's RNG (see the README)
+        rest, got = [r["index"] for r in rest], [r["index"] for r in got]
+    assert len(rest) > 0 and got == rest
+
+
+class _DrawingStream(torch.utils.data.IterableDataset):
+    """Each item draws from the global RNGs of the process fetching it."""
+
+    def __iter__(self):
+        for _ in range(6):
+            yield torch.rand(1).item() + random.random() + float(np.random.rand())
+
+
+def test_a_replay_without_workers_leaves_the_users_rng_where_it_was_restored():
+    """num_workers=0 fetches in the user's process, whose RNG the user checkpoints: the
+    batches an IterableDataset without state_dict() replays (and drops) must not move it,
+    or every augmentation after the resume is one batch's draws further on."""
+    import shmloader
+
+    def make():
+        return shmloader.DataLoader(_DrawingStream(), batch_size=2)
+
+    def rng_states():
+        return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+    def set_rng_states(states):
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    loader = make()
+    it = iter(loader)
+    next(it)
+    state, rngs = loader.state_dict(), rng_states()
+    rest = [b.tolist() for b in it]
+    resumed = make()
+    resumed.load_state_dict(state)
+    set_rng_states(rngs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the replay's warning
+        got = [b.tolist() for b in resumed]
+    assert len(rest) == 2 and got == rest
