@@ -11,7 +11,8 @@ placed once (and decoded as one object, see _layout), and tensors that view one 
 view one copy of the bytes they span together, with their own offsets and
 strides, and share one storage again when decoded, so in-place writes reach each other
 and torch.save or deepcopy keep them one.  A tensor alone on its storage
-keeps its strides too (transposed, expanded) when it spans all of it, and is
+keeps its strides too (transposed, expanded) when it spans all of it, or fewer
+bytes than its elements take (expanded over part of it), and is
 otherwise copied alone and densely (torch would move its whole storage: all
 of a dataset-sized tensor for a sample sliced from it).
 """
@@ -72,6 +73,15 @@ def _spans_its_storage(leaf: torch.Tensor) -> bool:
         return False
     start, end = _byte_range(leaf)
     return start == 0 and end >= leaf.untyped_storage().nbytes()
+
+
+def _span_is_smaller(leaf: torch.Tensor) -> bool:
+    """Whether a tensor spans fewer bytes than its elements take (some
+    overlap: a stride of 0, or an as_strided window)."""
+    if not _bytes_are_values(leaf):
+        return False
+    start, end = _byte_range(leaf)
+    return end - start < leaf.nbytes
 
 
 def _byte_range(leaf: torch.Tensor) -> tuple[int, int]:
@@ -188,6 +198,11 @@ class Arena:
             if key in self._shared:
                 first, end = self._shared[key]
                 storage = (self._copies[key], end - first)
+        elif _span_is_smaller(leaf):
+            # A part of its storage, alone, whose elements overlap (expanded
+            # over part of it): the bytes it spans, strides kept, as torch
+            # keeps them (a dense copy would repeat them, to any size).
+            leaf_ref = self._in_storage_copy(leaf)
         else:
             # A part of its storage, alone: densely, in the layout torch's
             # pickling would keep (channels_last stays channels_last); an
@@ -284,7 +299,8 @@ class Measure:
                 offset = sum(storage)  # past any view's own offset in the copy
             else:
                 start, end = _byte_range(sent)
-                self.used = offset + (end - start if _spans_its_storage(sent) else leaf.nbytes)
+                spanned = _spans_its_storage(sent) or _span_is_smaller(sent)
+                self.used = offset + (end - start if spanned else leaf.nbytes)
                 storage = (offset, leaf.nbytes)  # (where Arena's is None: longer)
             refs.append(_layout.tensor_ref(offset, leaf.dtype, leaf.shape, leaf.stride(),
                                            leaf.requires_grad, storage))
@@ -333,7 +349,9 @@ class SlotCollate:
 
     def _collate_tensor(self, batch, *, collate_fn_map=None):
         elem = batch[0]
-        if not _layout.is_slot_tensor(elem):
+        # (torch's collate raises for a conjugate or negative view first in a
+        # worker, at elem.new(storage), where a stack into the slot would not.)
+        if not _layout.is_slot_tensor(elem) or elem.is_conj() or elem.is_neg():
             return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
         try:
             return self.arena.stack(batch)

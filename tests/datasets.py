@@ -1014,6 +1014,15 @@ class StructureMap(Dataset):
         raise ValueError(kind)
 
 
+def overlapping_collate(batch):
+    """Views overlapping themselves on part of one stacked batch: expanded (stride 0) and an
+    as_strided window; another batch leaf keeps the rest of the storage out of the slot's
+    shared copies (each view is alone on its storage)."""
+    x = torch.stack([torch.full((1000,), float(i)) for i, _ in batch])
+    y = x.clone()
+    return {"expanded": x[1:2].expand(2000, -1), "window": y[1:].flatten()[3:].as_strided((2, 2), (1, 1))}
+
+
 class LazyBitsMap(Dataset):
     """Unbatched samples torch's transport changes on the way: a negative view and a
     conjugate view (their lazy bit is dropped, the raw storage values arrive) and empty

@@ -1159,6 +1159,37 @@ def test_strides_of_tensors_spanning_their_storage_like_torch():
         assert y["gappy"].is_contiguous()
 
 
+def test_a_view_overlapping_itself_on_part_of_its_storage_keeps_its_strides():
+    """A tensor expanded over part of its storage (stride 0), or an as_strided window whose
+    elements overlap, arrives with its strides, as torch's does: a dense copy would repeat
+    its bytes (8 MB here for 4 KB, any size for a larger expand) and spill past the slot,
+    and in-place writes would no longer reach the elements it shares."""
+    t = run(TorchDataLoader, P(D.IndexMap, 12), batch_size=3, collate_fn=D.overlapping_collate,
+            **W2)
+    s = run(P(ShmDataLoader, slot_bytes=1 << 16), P(D.IndexMap, 12), batch_size=3,
+            collate_fn=D.overlapping_collate, **W2)
+    assert_results_same(t, s)
+    for b, (x, y) in enumerate(zip(t.epochs[0], s.epochs[0], strict=True)):
+        for key in x:
+            assert x[key].stride() == y[key].stride(), f"batch {b} {key}"
+            assert y[key].untyped_storage().nbytes() <= x[key].untyped_storage().nbytes()
+    loader = ShmDataLoader(D.IndexMap(12), batch_size=3, collate_fn=D.overlapping_collate,
+                           slot_bytes=1 << 16, **W2)
+    list(loader)
+    assert loader.stats().spilled_batches == 0
+
+
+def test_conjugate_or_negative_samples_fail_default_collate_as_torchs():
+    """torch's collate in a worker refuses a conjugate or negative view as the first sample
+    (elem.new(storage) raises); a stack into the slot would accept it, so whether the loader
+    raised would depend on whether the ring was made yet."""
+    expected = each_next(TorchDataLoader(D.LazyBitsMap(), batch_size=3, **W2))
+    assert expected[0][0] is RuntimeError
+    for kw in (dict(), dict(slot_bytes=1 << 16)):
+        D.assert_same(expected, each_next(ShmDataLoader(D.LazyBitsMap(), batch_size=3, **W2,
+                                                        **kw)))
+
+
 @pytest.mark.parametrize("slot_bytes", [None, 1 << 16], ids=["ring-sized-by-batches", "ring-at-start"])
 def test_a_non_leaf_tensor_that_requires_grad_is_refused_as_torchs_pickling_refuses_it(slot_bytes):
     """torch's pickling refuses a batch tensor with a grad_fn (its feeder thread prints the
