@@ -72,6 +72,23 @@ def own_state(obj, whose: str):
 
 # ---- worker side --------------------------------------------------------------
 
+def _unpicklable(whose: str, e: Exception) -> UnsavedState:
+    return UnsavedState(f"{whose} state_dict() returned what pickle cannot keep "
+                        f"({type(e).__name__}: {e})")
+
+
+def own_state_copy(obj, whose: str):
+    """obj.state_dict() as it is now (a copy: an object may keep updating
+    the dict it returned), or an UnsavedState saying why not."""
+    state = own_state(obj, whose)
+    if isinstance(state, UnsavedState):
+        return state
+    try:
+        return pickle.loads(pickle.dumps(state, pickle.HIGHEST_PROTOCOL))
+    except Exception as e:
+        return _unpicklable(whose, e)
+
+
 def worker_snapshot(stateful) -> bytes:
     """This worker's RNG states (and `stateful`'s state_dict(), if given),
     pickled: cheap to take after every batch."""
@@ -83,9 +100,7 @@ def worker_snapshot(stateful) -> bytes:
     try:
         return pickle.dumps((rng, dataset_state), pickle.HIGHEST_PROTOCOL)
     except Exception as e:
-        unsaved = UnsavedState(f"the dataset's state_dict() returned what pickle cannot keep "
-                               f"({type(e).__name__}: {e})")
-        return pickle.dumps((rng, unsaved), pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps((rng, _unpicklable("the dataset's", e)), pickle.HIGHEST_PROTOCOL)
 
 
 def plain_worker_state(snapshot) -> dict | None:
@@ -125,7 +140,7 @@ def sampler_state(loader):
     """The loader's sampler's own state_dict(), where it has one: taken before
     iter() runs the sampler (a sampler may do its work in __iter__)."""
     stateful = _stateful_sampler(loader)
-    return own_state(stateful, "the sampler's") if stateful is not None else None
+    return own_state_copy(stateful, "the sampler's") if stateful is not None else None
 
 
 @dataclasses.dataclass

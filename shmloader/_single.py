@@ -11,7 +11,7 @@ import torch
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
 from ._cuda import DeviceStage
-from ._resume import Progress, own_state, replay_message, sampler_state
+from ._resume import Progress, own_state_copy, replay_message, sampler_state
 from ._sampler_state import attribute
 from ._seeding import Samples, countable, positions_in
 from ._warn import WarnsBetweenBatches
@@ -88,7 +88,8 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
     def _dataset_state(self):
         if self._stateful is None:
             return None
-        return {"dataset": own_state(self._stateful, "the dataset's")}
+        # A copy, as a worker's pickled state is (see worker_snapshot).
+        return {"dataset": own_state_copy(self._stateful, "the dataset's")}
 
     def _next_data(self):
         if self._deferred_warnings:

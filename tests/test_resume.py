@@ -534,10 +534,9 @@ def test_a_broken_dataset_state_dict_leaves_iteration_alone(how, num_workers):
     loader = shmloader.DataLoader(_StreamWithBrokenState(how), **kw)
     it = iter(loader)
     got = [next(it).tolist()]
-    if how == "raises" or num_workers:  # (without workers, nothing pickles it until saved)
-        words = "NotImplementedError: only map-style" if how == "raises" else "pickle cannot keep"
-        with pytest.raises(RuntimeError, match=f"cannot save where this loader stands: .*{words}"):
-            loader.state_dict()
+    words = "NotImplementedError: only map-style" if how == "raises" else "pickle cannot keep"
+    with pytest.raises(RuntimeError, match=f"cannot save where this loader stands: .*{words}"):
+        loader.state_dict()
     assert got + [b.tolist() for b in it] == want
 
 
@@ -1211,3 +1210,44 @@ def test_a_replay_without_workers_leaves_the_users_rng_where_it_was_restored():
         warnings.simplefilter("ignore")  # the replay's warning
         got = [b.tolist() for b in resumed]
     assert len(rest) == 2 and got == rest
+
+
+class _LiveStateStream(torch.utils.data.IterableDataset):
+    """state_dict() returns the dict it keeps updating as the stream goes on (a common way
+    to write one)."""
+
+    def __init__(self):
+        self._state = {"position": 0}
+        self._start = 0
+
+    def state_dict(self):
+        return self._state
+
+    def load_state_dict(self, state):
+        self._start = state["position"]
+
+    def __iter__(self):
+        start, self._start = self._start, 0
+        for i in range(start, 8):
+            self._state["position"] = i + 1
+            yield torch.tensor(i)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_saved_state_does_not_follow_a_dataset_state_that_moves_on(num_workers):
+    """The state taken after batch k holds the dataset's state as it was then, not a
+    reference to the dict the dataset goes on updating (which resumed at the stream's
+    current end, silently dropping the rest)."""
+    import shmloader
+
+    def make():
+        return shmloader.DataLoader(_LiveStateStream(), batch_size=2, num_workers=num_workers)
+
+    loader = make()
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    rest = [b.tolist() for b in it]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert rest == [[4, 5], [6, 7]] and [b.tolist() for b in resumed] == rest
