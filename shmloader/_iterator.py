@@ -79,6 +79,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         # Per worker, the numbers of its tasks to fetch again and drop (see _resume_epoch).
         self._replay = None
         self._died = None  # the message of the WorkerDied that ended this iterator
+        self._interrupted = None  # the name of the KeyboardInterrupt (or such) that ended it
         self._deferred_warnings = []  # (error, flag): see WarnsBetweenBatches
         self._skip = set()  # epoch indices not to fetch again (in_order=False resume)
         self._pending_first_draw = None
@@ -337,6 +338,15 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
     # ---- epochs -----------------------------------------------------------
 
     def _reset(self, loader, first_iter=False) -> None:
+        try:
+            self._start_epoch(loader, first_iter)
+        except Exception:
+            raise
+        except BaseException as e:
+            self._end_on_interrupt(e)
+            raise
+
+    def _start_epoch(self, loader, first_iter) -> None:
         self._forget_deferred_warnings()  # met in an epoch left unfinished
         ring_in_use_by(self)
         if not first_iter and self._ring is not None and not self._sized_by_user and \
@@ -549,6 +559,15 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
 
     def _end_on_death(self, error: WorkerDied) -> None:
         self._died = str(error)
+        self._shutdown_workers(graceful=False)
+
+    def _end_on_interrupt(self, interrupt: BaseException) -> None:
+        """A KeyboardInterrupt can land between any two steps of next()'s
+        bookkeeping (a batch taken from the ring and not yet returned, a task
+        recorded and not yet sent): going on could skip batches silently, so
+        it ends this iterator, as a worker's death does (torch's, interrupted
+        and asked again, may wait forever)."""
+        self._interrupted = type(interrupt).__name__
         self._shutdown_workers(graceful=False)
 
     @contextlib.contextmanager
@@ -771,12 +790,22 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         if self._died is not None:
             raise WorkerDied(f"this DataLoader iterator ended when a worker died: {self._died} "
                              "iter(loader) starts a new one with fresh workers.")
+        if self._interrupted is not None:
+            raise RuntimeError(
+                f"this DataLoader iterator ended when a {self._interrupted} interrupted its "
+                "next(), which may have been taking a batch on its way; iter(loader) starts a "
+                "new one with fresh workers.")
         try:  # what _failing_workers() does, without a generator per batch
             batch = self._next_batch()
             while batch is _REPLAYED:
                 batch = self._next_batch()
         except WorkerDied as e:
             self._end_on_death(e)
+            raise
+        except Exception:
+            raise
+        except BaseException as e:
+            self._end_on_interrupt(e)
             raise
         finally:  # up to this batch, or to the error raised in its place (its wait counted)
             now = time.perf_counter()

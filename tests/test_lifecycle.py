@@ -796,3 +796,44 @@ def test_a_training_thread_outliving_the_main_thread_ends_each_epochs_workers():
                           cwd=root, capture_output=True, text=True, timeout=HANG)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["16", "0"] * 3, done.stdout
+
+
+class _InterruptingBatchSampler(tud.Sampler):
+    """Batches of 2 over range(n); the `at`-th draw of the first epoch raises a
+    KeyboardInterrupt in the main process, as a Ctrl-C landing there would (the iterator
+    draws while it hands a batch over, between taking it from its record and returning it)."""
+
+    def __init__(self, n, at):
+        self.n, self.at, self.epochs = n, at, 0
+
+    def __iter__(self):
+        first, self.epochs = self.epochs == 0, self.epochs + 1
+        for i, start in enumerate(range(0, self.n, 2)):
+            if first and i == self.at:
+                raise KeyboardInterrupt
+            yield [start, start + 1]
+
+    def __len__(self):
+        return self.n // 2
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("at", [1, 6])
+def test_an_interrupted_next_ends_its_iterator_instead_of_losing_a_batch(persistent, at):
+    """A caught KeyboardInterrupt that landed inside next() (at iter() for draw 1, mid-epoch
+    for draw 6) leaves no iterator that goes on short of a batch: the next next() raises,
+    saying why, and iter(loader) starts a whole epoch with fresh workers."""
+    loader = DataLoader(list(range(20)), batch_sampler=_InterruptingBatchSampler(20, at),
+                        num_workers=2, persistent_workers=persistent)
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        it = iter(loader)
+        for batch in it:
+            got.append(batch.tolist())
+    if at > 1:
+        with pytest.raises(RuntimeError, match="KeyboardInterrupt interrupted its next()"):
+            next(it)
+    assert got == [[i, i + 1] for i in range(0, 2 * len(got), 2)]
+    assert [b.tolist() for b in loader] == [[i, i + 1] for i in range(0, 20, 2)]
+    del loader
+    assert wait_gone(own_children(), 15)[0] == []
