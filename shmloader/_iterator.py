@@ -756,19 +756,39 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             # (see _reset), where /dev/shm has room for all of them (else an
             # outsized batch would cost the ring, not just itself).
             needed = msg[4]
+            handover = self._handover
+            handover.largest_batch_bytes = max(handover.largest_batch_bytes, needed)
             learned = needed + needed // 16 + 65536
-            if learned > (self._handover.learned_slot_bytes or 0) and (
-                    self._ring is None or self._room_to_grow(needed, learned)):
-                self._handover.learned_slot_bytes = learned
+            if self._ring is None:
+                if learned > (handover.learned_slot_bytes or 0):
+                    handover.learned_slot_bytes = learned
+            elif needed > self._ring.slot_bytes - self._state_bytes:
+                self._grow_for(learned)
         return msg[1], msg
 
-    def _room_to_grow(self, needed: int, learned: int) -> bool:
-        """Whether a batch of `needed` bytes outgrew this iterator's ring,
-        and a ring of slots of `learned` bytes would fit in its place."""
-        ring = self._ring
-        if needed <= ring.slot_bytes - self._state_bytes:
-            return False
-        fit, _ = slots_with_room(self._nslots, learned + self._state_bytes, replacing=ring)
+    def _grow_for(self, learned: int) -> None:
+        """A batch outgrew this iterator's ring: its slots grow to `learned`
+        bytes at the next epoch where a ring of those fits in its place.  A
+        growth already planned for a smaller batch is called off where it
+        would leave no room for this batch's spills (torch's transport takes
+        /dev/shm too: a ring grown to fill Docker's 64 MB for one batch would
+        make a larger one fail)."""
+        handover = self._handover
+        planned = handover.learned_slot_bytes or 0
+        if learned > planned and self._fits_with_spills(learned):
+            handover.learned_slot_bytes = learned
+        elif planned + self._state_bytes > self._ring.slot_bytes \
+                and not self._fits_with_spills(planned):
+            handover.learned_slot_bytes = self._ring.slot_bytes - self._state_bytes
+
+    def _fits_with_spills(self, learned: int) -> bool:
+        """Whether a ring of slots of `learned` bytes fits in this one's
+        place, with room beside it for the largest batch seen to spill, at
+        each place it can be in flight, if it would not fit those slots."""
+        outsized = self._handover.largest_batch_bytes
+        spills = self._prefetch_factor * self._num_workers * outsized if outsized > learned else 0
+        fit, _ = slots_with_room(self._nslots, learned + self._state_bytes, replacing=self._ring,
+                                 keep_free=spills)
         return fit == self._nslots
 
     def _get_data(self):

@@ -104,12 +104,13 @@ def _check_limit(nslots: int, slot_bytes: int) -> None:
 _HEADER_ROOM = 1 << 20
 
 
-def slots_with_room(nslots: int, slot_bytes: int, replacing: Ring | None = None
-                    ) -> tuple[int, str]:
+def slots_with_room(nslots: int, slot_bytes: int, replacing: Ring | None = None,
+                    keep_free: int = 0) -> tuple[int, str]:
     """(how many of `nslots` slots of `slot_bytes` fit in the shared memory
     free now, and under SHMLOADER_SHM_LIMIT; that room in words).  All of
     them where /dev/shm cannot be inspected (making the ring then says).
-    `replacing`: a ring to be retired first, whose room counts as free."""
+    `replacing`: a ring to be retired first, whose room counts as free;
+    `keep_free`: bytes of /dev/shm to leave beside the ring."""
     try:
         st = os.statvfs(SHM_DIR)
     except OSError as e:
@@ -119,7 +120,7 @@ def slots_with_room(nslots: int, slot_bytes: int, replacing: Ring | None = None
     if replacing is not None:
         free += replacing.total_bytes - _unreserved(replacing)
     slot = _slot_pages_bytes(slot_bytes)
-    fit = max(0, free - _HEADER_ROOM) // slot
+    fit = max(0, free - _HEADER_ROOM - keep_free) // slot
     room = f"{SHM_DIR} has {free} bytes free" + (
         f" beside the {promised} bytes other rings of this process will take" if promised else "")
     limit_bytes = _limit_bytes()
@@ -275,6 +276,7 @@ class RingHandover:
     workers have exited (so a new epoch does not prefault a new one)."""
 
     learned_slot_bytes: int | None = None
+    largest_batch_bytes: int = 0  # of the batches measured (see ShmLoaderIter._grow_for)
     sample_layout: SampleLayout | None = None  # fetch="sample", once probed
     spare_ring: Ring | None = None
 

@@ -519,6 +519,50 @@ def test_slots_stay_as_they_are_where_larger_ones_would_not_fit(monkeypatch):
     assert not [w for w in caught if "room" in str(w.message)]
 
 
+class _Buckets(torch.utils.data.Sampler):
+    """A bucketing batch sampler's batches: 2 to 60 samples, a large one before a larger one."""
+
+    def __len__(self):
+        return 8
+
+    def __iter__(self):
+        start = 0
+        for n in [2, 40, 4, 60, 2, 60, 8, 1]:
+            yield list(range(start, start + n))
+            start += n
+
+
+def test_slots_do_not_grow_where_the_ring_would_leave_a_larger_batch_no_room_to_spill(monkeypatch):
+    """Docker's 64 MB /dev/shm, scaled down: a ring of slots for the 40-sample batch fits,
+    but not beside the spills of the 60-sample one, which torch's transport also puts in
+    /dev/shm (a batch in flight at each of prefetch_factor * num_workers places). The slots
+    stay as they are, as torch would have had the room, instead of growing to fill /dev/shm
+    so that the larger batch's spills fail (seen once in two runs on a real 64 MB tmpfs)."""
+    import shmloader._rings
+
+    sample = 3 * 64 * 64
+    free = 7_000_000  # 8 slots for 40 samples fit (5 MB), not beside 4 spills of 60 (3 MB)
+    real = os.statvfs
+
+    class Shm:
+        f_frsize = 4096
+        f_bavail = free // 4096
+
+    monkeypatch.setattr(shmloader._rings.os, "statvfs",
+                        lambda path: Shm() if path == shmloader._rings.SHM_DIR else real(path))
+    gc.collect()  # (no ring of an earlier test's loader counts as promised room)
+    dataset = Images(200, shape=(3, 64, 64))
+    want = list(torch.utils.data.DataLoader(dataset, batch_sampler=_Buckets()))
+    loader = DataLoader(dataset, batch_sampler=_Buckets(), num_workers=2, persistent_workers=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the spill warning)
+        for _ in range(3):
+            for got, expected in zip(loader, want, strict=True):
+                assert torch.equal(got, expected)
+    stats = loader.stats()
+    assert stats.ring_slots == 8 and stats.slot_bytes < 40 * sample, stats
+
+
 def test_fallback_leaves_travel_by_torch_and_are_counted():
     def collate(samples):
         dense = torch.stack(samples)
