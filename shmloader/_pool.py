@@ -73,8 +73,10 @@ def _exit_description(process) -> str:
     if code == NO_RING_FDS_EXIT:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         return (f"could not receive the ring's file descriptors: it had as many open files as "
-                f"its limit allows (RLIMIT_NOFILE, `ulimit -n`: {soft} here). Raise that "
-                "limit, or keep fewer batches of loaders that are gone (each keeps one open).")
+                f"its limit allows (RLIMIT_NOFILE, `ulimit -n`: {soft} here; a shmloader "
+                "worker holds 2-4 more files than torch's: the ring's and its wake-ups'). "
+                "Raise that limit, or keep fewer batches of loaders that are gone (each keeps "
+                "one open).")
     if code == NO_RING_MAPPING_EXIT:
         return (f"could not map the ring: no address space was left for it "
                 f"({address_space_limit()}). Raise that limit, or lower num_slots, "
