@@ -580,6 +580,17 @@ class Resume:
             return None
         return states[worker_id]
 
+    def main_epoch_start(self) -> dict | None:
+        """Without workers: the RNG states of the main process as the
+        interrupted epoch began (a stream replayed from its start draws from
+        them), or None (a state taken at an epoch's end, or by an older
+        shmloader)."""
+        states = self.state["epoch_start_worker_states"]
+        if self.finished or len(states) != 1 or not isinstance(states[0], dict) \
+                or "random" not in states[0]:
+            return None
+        return states[0]
+
     @property
     def replayed(self) -> int:
         """Batches fetched again and dropped (an IterableDataset without state)."""

@@ -11,7 +11,8 @@ import torch
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
 from ._cuda import DeviceStage
-from ._resume import Progress, own_state_copy, replay_message, sampler_state
+from ._resume import (Progress, own_state_copy, replay_message, restore_worker_rng,
+                      sampler_state, worker_snapshot)
 from ._sampler_state import attribute
 from ._seeding import Samples, countable, positions_in
 from ._warn import WarnsBetweenBatches
@@ -34,8 +35,20 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
             if self._stateful is not None and dataset_state is not None:
                 self._stateful.load_state_dict(dataset_state)
         epoch_sampler_state = sampler_state(loader)
+        # A stream without state_dict() is replayed from the epoch's start on a
+        # resume: its draws (a shuffle as it starts, random filtering) come
+        # from this process's RNGs, so their state as the epoch begins is saved
+        # (as a worker's is), and a replay runs on it.
+        replays = iterable and self._stateful is None
+        epoch_start = worker_snapshot(None) if replays else None
+        replay_from = resume.main_epoch_start() if resume is not None and replays else None
+        users_rngs = None
+        if replay_from is not None:
+            users_rngs = _process_rngs()
+            restore_worker_rng(replay_from)
+            epoch_start = worker_snapshot(None)
         rng_before = torch.get_rng_state() if resume is not None and loader.generator is None \
-            else None
+            and replay_from is None else None
         super().__init__(loader)
         if resume is not None:
             self._base_seed = resume.settle_base_seed(loader, self._base_seed, False, rng_before)
@@ -47,6 +60,8 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
                                     self._base_seed if loader.seed_per_sample else None, 1,
                                     epoch_sampler_state,
                                     fresh_workers=False, sampler_started=False)
+        if epoch_start is not None:
+            self._progress.epoch_start_worker_states = [epoch_start]
         if loader.seed_per_sample:
             self._dataset_fetcher = _SeededFetcher(Samples(
                 self._dataset, self._auto_collation, self._collate_fn, self._base_seed),
@@ -64,6 +79,13 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
                     self._next_idx = 0
                     if self._replay:
                         self._warn(replay_message(self._replay))
+                    if users_rngs is not None:
+                        # Now, on the epoch's RNGs, which then go back to the
+                        # user's (restored to where they stood after those batches).
+                        try:
+                            self._replay_yielded()
+                        finally:
+                            _set_process_rngs(users_rngs)
             else:
                 self._pending_first_draw = resume
                 for drawn in range(resume.skip):
@@ -85,6 +107,14 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
             index = self._dataset_fetcher.drawn(index)
         return index
 
+    def _replay_yielded(self) -> None:
+        """Fetch again and drop the batches yielded before the state was taken."""
+        while self._replay:
+            self._replay -= 1
+            self._next_idx += 1
+            with contextlib.suppress(Exception):
+                super()._next_data()
+
     def _dataset_state(self):
         if self._stateful is None:
             return None
@@ -95,15 +125,11 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
         if self._deferred_warnings:
             self._raise_deferred_warning()
         if self._replay:
-            # The batches yielded before the state was taken, fetched again
-            # and dropped: in this process, whose RNGs the user restores to
-            # where they stood after those batches, so their draws are undone.
+            # A state without the epoch's starting RNGs: the replay's draws
+            # are undone at least (the user restores this process's RNGs to
+            # where they stood after those batches).
             with _process_rngs_kept():
-                while self._replay:
-                    self._replay -= 1
-                    self._next_idx += 1
-                    with contextlib.suppress(Exception):
-                        super()._next_data()
+                self._replay_yielded()
         idx, self._next_idx = self._next_idx, self._next_idx + 1
         try:
             data = super()._next_data()
@@ -146,13 +172,21 @@ class _SeededFetcher:
             return self._samples.batch(index, self._epoch, self._position)
 
 
+def _process_rngs():
+    return random.getstate(), torch.get_rng_state(), np.random.get_state()
+
+
+def _set_process_rngs(states) -> None:
+    random.setstate(states[0])
+    torch.set_rng_state(states[1])
+    np.random.set_state(states[2])
+
+
 @contextlib.contextmanager
 def _process_rngs_kept():
     """This process's random, torch and numpy RNGs as they were before."""
-    states = random.getstate(), torch.get_rng_state(), np.random.get_state()
+    states = _process_rngs()
     try:
         yield
     finally:
-        random.setstate(states[0])
-        torch.set_rng_state(states[1])
-        np.random.set_state(states[2])
+        _set_process_rngs(states)

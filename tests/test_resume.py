@@ -1251,3 +1251,40 @@ def test_a_saved_state_does_not_follow_a_dataset_state_that_moves_on(num_workers
     resumed = make()
     resumed.load_state_dict(state)
     assert rest == [[4, 5], [6, 7]] and [b.tolist() for b in resumed] == rest
+
+
+class _ShuffledStream(torch.utils.data.IterableDataset):
+    """Shuffles its items as each pass starts, from the global RNG of the process."""
+
+    def __iter__(self):
+        for i in torch.randperm(8).tolist():
+            yield i + random.random()
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_a_replay_without_workers_draws_the_epochs_stream_again(k):
+    """num_workers=0, a stream without state_dict() that draws as it starts: the replay
+    runs on this process's RNGs as the interrupted epoch began (saved in the state, as a
+    worker's are), so it drops the batches that were yielded, not others (which repeated
+    some samples and skipped others); the user's RNGs are theirs again afterwards."""
+    import shmloader
+
+    def make():
+        return shmloader.DataLoader(_ShuffledStream(), batch_size=2)
+
+    torch.manual_seed(0), random.seed(0)
+    loader = make()
+    it = iter(loader)
+    for _ in range(k):
+        next(it)
+    state, rngs = loader.state_dict(), (torch.get_rng_state(), random.getstate())
+    rest = [b.tolist() for b in it]
+    after = torch.rand(1), random.random()
+    resumed = make()
+    resumed.load_state_dict(roundtrip(state))
+    torch.set_rng_state(rngs[0]), random.setstate(rngs[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the replay's warning
+        got = [b.tolist() for b in resumed]
+    assert len(rest) == 4 - k and got == rest
+    assert (torch.rand(1), random.random()) == after
