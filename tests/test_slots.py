@@ -541,16 +541,20 @@ def test_slots_do_not_grow_where_the_ring_would_leave_a_larger_batch_no_room_to_
     import shmloader._rings
 
     sample = 3 * 64 * 64
-    free = 7_000_000  # 8 slots for 40 samples fit (5 MB), not beside 4 spills of 60 (3 MB)
+    # 8 slots for 40 samples fit (4.9 MB), not beside 4 spills of 60 (3 MB), nor 8 slots for
+    # 60 (6.9 MB), whatever part of the small ring they replace counts as free (1.5 MB).
+    free = 6_000_000
     real = os.statvfs
+
+    gc.collect()
 
     class Shm:
         f_frsize = 4096
-        f_bavail = free // 4096
+        # (beside what rings of earlier tests' loaders, still alive, count as theirs)
+        f_bavail = (free + shmloader._rings._promised()) // 4096
 
     monkeypatch.setattr(shmloader._rings.os, "statvfs",
                         lambda path: Shm() if path == shmloader._rings.SHM_DIR else real(path))
-    gc.collect()  # (no ring of an earlier test's loader counts as promised room)
     dataset = Images(200, shape=(3, 64, 64))
     want = list(torch.utils.data.DataLoader(dataset, batch_sampler=_Buckets()))
     loader = DataLoader(dataset, batch_sampler=_Buckets(), num_workers=2, persistent_workers=True)
