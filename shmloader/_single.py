@@ -40,13 +40,12 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
         # from this process's RNGs, so their state as the epoch begins is saved
         # (as a worker's is), and a replay runs on it.
         replays = iterable and self._stateful is None
-        epoch_start = worker_snapshot(None) if replays else None
         replay_from = resume.main_epoch_start() if resume is not None and replays else None
         users_rngs = None
         if replay_from is not None:
             users_rngs = _process_rngs()
             restore_worker_rng(replay_from)
-            epoch_start = worker_snapshot(None)
+        epoch_start = (replay_from or worker_snapshot(None)) if replays else None
         rng_before = torch.get_rng_state() if resume is not None and loader.generator is None \
             and replay_from is None else None
         super().__init__(loader)
