@@ -369,6 +369,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
                 self._adopt_next_epoch()
                 return
             rewind = loader._epochs_started = self._prefetched.epoch  # numbered again below
+            self._counters.dropped_prefetched_batches += self._send_idx - self._next_epoch_at
         resume, self._resume = self._resume, None
         started_from = None  # a finished epoch's state: where the workers start
         if resume is not None and resume.finished:

@@ -41,6 +41,9 @@ class LoaderStats:
         by your code) when a batch was yielded.
     prefetched_epochs: epochs that began with batches prefetched during the
         previous one (prefetch_next_epoch).
+    dropped_prefetched_batches: batches prefetched for an epoch that turned
+        out another (set_epoch not called with e + 1, a generator reseeded):
+        fetched by the workers, their __getitem__ calls made, then dropped.
     ring_slots, slot_bytes: the current ring's geometry (0 before it exists).
     workers: per worker, see WorkerStats (work done before a worker had the
         ring is added once it has it: a worker that exits first, as a
@@ -61,6 +64,7 @@ class LoaderStats:
     occupancy_mean: float = 0.0
     occupancy_max: int = 0
     prefetched_epochs: int = 0
+    dropped_prefetched_batches: int = 0
     ring_slots: int = 0
     slot_bytes: int = 0
     workers: tuple = ()
@@ -83,7 +87,8 @@ class LoaderStats:
             f"it ({share:.0%}), {self.bytes_moved / 1e9:.3f} GB moved",
             f"torch transport: {self.unsized_batches} before sizing, {self.ring_full_batches} "
             f"ring full, {self.spilled_batches} spilled; {self.fallback_leaves} fallback leaves; "
-            f"{self.prefetched_epochs} prefetched epochs",
+            f"{self.prefetched_epochs} prefetched epochs ({self.dropped_prefetched_batches} "
+            f"prefetched batches dropped)",
         ]
         for i, w in enumerate(self.workers):
             lines.append(f"worker {i}: busy {w.busy_seconds:.3f} s, {w.samples} samples fetched, "
@@ -93,7 +98,7 @@ class LoaderStats:
 
 _COUNTED = ("batches", "samples", "wait_seconds", "wall_seconds", "slot_batches",
             "unsized_batches", "ring_full_batches", "spilled_batches", "fallback_leaves",
-            "occupancy_max", "prefetched_epochs")
+            "occupancy_max", "prefetched_epochs", "dropped_prefetched_batches")
 
 
 class Counters:

@@ -165,11 +165,13 @@ def test_next_epochs_sampler_failing_in_the_prefetch():
 def test_custom_sampler_with_set_epoch_adopted():
     stats = check(sampler=P(D.EpochRandomSampler, N, 2), on_epoch=lambda e, g, s: s.set_epoch(e))
     assert stats.prefetched_epochs == 2
+    assert stats.dropped_prefetched_batches == 0
 
 
 def test_prefetch_off_by_default():
     stats = check(shm=ShmDataLoader, shuffle=True, generator_seed=3)
     assert stats.prefetched_epochs == 0
+    assert stats.dropped_prefetched_batches == 0
 
 
 # --------------------------------------------------------------------------- discarded
@@ -178,6 +180,8 @@ def test_reseeded_generator_discards_prefetch():
     state, so it must be dropped and the epoch drawn again."""
     stats = check(shuffle=True, generator_seed=3, on_epoch=lambda e, g, s: g.manual_seed(100 + e))
     assert stats.prefetched_epochs == 0
+    # Epochs 1 and 2 each had the whole prefetch window (2 workers x 2) fetched, then dropped.
+    assert stats.dropped_prefetched_batches == 8
 
 
 def test_reseeded_once_discards_only_that_epoch():
@@ -187,6 +191,7 @@ def test_reseeded_once_discards_only_that_epoch():
 
     stats = check(shuffle=True, generator_seed=3, on_epoch=reseed_before_epoch_1)
     assert stats.prefetched_epochs == 1  # epoch 2's prefetch stands
+    assert stats.dropped_prefetched_batches == 4
 
 
 def test_reseeded_to_same_state_is_adopted():
