@@ -347,6 +347,13 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             raise
 
     def _start_epoch(self, loader, first_iter) -> None:
+        if loader._counters is not self._counters:
+            # A copy.copy of the loader, made while this persistent iterator
+            # was live, goes on with it (as torch's copies do): the epoch is
+            # counted in the copy's stats and described by its state_dict().
+            self._counters = loader._counters
+            self._counters.use_ring(self._ring, self._num_workers, counted=True)
+        loader._progress = self._progress
         self._forget_deferred_warnings()  # met in an epoch left unfinished
         ring_in_use_by(self)
         if not first_iter and self._ring is not None and not self._sized_by_user and \

@@ -106,7 +106,7 @@ class Counters:
 
     __slots__ = _COUNTED + ("occupancy_sum", "warned_ring_full", "warned_spill",
                             "warned_register", "warned_shm_room", "_ring", "_workers",
-                            "_retired")
+                            "_retired", "_counted")
 
     def __init__(self):
         for name in _COUNTED + ("occupancy_sum",):
@@ -118,13 +118,18 @@ class Counters:
         self._ring = None  # the ring whose worker counters are live
         self._workers = 0
         self._retired = []  # [busy_ns, samples, batches, bytes] per worker, of older rings
+        self._counted = []  # the same, what _retired holds of the live ring (see use_ring)
 
-    def use_ring(self, ring, num_workers: int) -> None:
+    def use_ring(self, ring, num_workers: int, counted: bool = False) -> None:
         """Count from `ring` (a ring's worker counters only grow, so a ring
-        handed to the next iterator is not counted twice)."""
+        handed to the next iterator is not counted twice).  `counted`: these
+        totals already hold what `ring` counted so far (they are a shallow
+        copy's, taken while its original counted from `ring`): only what it
+        adds from now on counts."""
         if ring is not self._ring:
             self._retire()
             self._ring = ring
+            self._counted = self._read(ring) if counted else []
         self._workers = max(self._workers, num_workers)
 
     def _retire(self) -> None:
@@ -133,10 +138,13 @@ class Counters:
                 self._retired.append([0, 0, 0, 0])
             self._retired[i] = [a + b for a, b in zip(self._retired[i], counts)]
 
+    def _read(self, ring):
+        return [list(ring.worker_read(i)) for i in range(self._workers)] if ring is not None else []
+
     def _live(self):
-        if self._ring is None:
-            return []
-        return [self._ring.worker_read(i) for i in range(self._workers)]
+        counted = self._counted + [[0, 0, 0, 0]] * (self._workers - len(self._counted))
+        return [[a - b for a, b in zip(now, before)]
+                for now, before in zip(self._read(self._ring), counted)]
 
     def _totals(self):
         totals = [list(c) for c in self._retired]
@@ -149,7 +157,7 @@ class Counters:
     def __getstate__(self):
         # A copy of the loader (pickle, deepcopy) keeps the totals, not the ring.
         state = {name: getattr(self, name) for name in self.__slots__}
-        state.update(_ring=None, _retired=self._totals())
+        state.update(_ring=None, _retired=self._totals(), _counted=[])
         return None, state
 
     def snapshot(self) -> LoaderStats:

@@ -265,7 +265,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def __setstate__(self, state):
         # A copy (pickle, deepcopy, copy.copy, a spawned process's) starts
         # without a ring, and counts and resumes apart from the original
-        # (copy.copy hands over the original's objects themselves).
+        # (copy.copy hands over the original's objects themselves; a live
+        # persistent iterator it shares counts for whichever loader last
+        # started an epoch on it, see ShmLoaderIter._start_epoch).
         self.__dict__.update(state)
         self._ring_handover = copy.deepcopy(self._ring_handover)
         self._counters = copy.deepcopy(self._counters)

@@ -809,6 +809,25 @@ def test_shallow_copy_of_a_loader_iterates_and_resumes_apart():
                   "resumed after 2 batches")
 
 
+
+def test_shallow_copy_of_a_persistent_loader_counts_and_resumes_its_own_epochs():
+    """copy.copy(loader) after a persistent epoch shares the live iterator (as torch's does):
+    iterating the copy runs that iterator for the copy, so the copy's stats() and state_dict()
+    describe the copy's epoch, and the original's batch counts stay its own."""
+    a = ShmDataLoader(D.TensorMap(40), batch_size=4, num_workers=2, persistent_workers=True)
+    list(a)
+    b = copy.copy(a)
+    it_b = iter(b)
+    [next(it_b) for _ in range(3)]
+    assert (a.stats().batches, b.stats().batches) == (10, 13)
+    # The workers are the two loaders' own alike: their work is counted once in each.
+    assert a.stats().workers == b.stats().workers
+    resumed = ShmDataLoader(D.TensorMap(40), batch_size=4, num_workers=2)
+    resumed.load_state_dict(b.state_dict())
+    D.assert_same(list(TorchDataLoader(D.TensorMap(40), batch_size=4))[3:], list(resumed),
+                  "resumed after the copy's 3 batches")
+
+
 ATTR_CASES = {
     "default": (P(D.IndexMap, 5), {}),
     "workers": (P(D.IndexMap, 5), dict(num_workers=2, batch_size=3, drop_last=True)),
