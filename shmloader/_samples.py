@@ -120,11 +120,13 @@ def _refuse_text(batch, *, collate_fn_map=None):
         "whose size varies; use fetch='batch' (the default) for such samples.")
 
 
+_STACKED = (torch.Tensor, np.ndarray, np.bool_, np.number, float, int)  # default_collate's leaves
+
+
 def _leaf_map(on_leaf):
     """A collate_fn_map sending every leaf default_collate stacks to on_leaf."""
     fn = lambda batch, *, collate_fn_map=None: on_leaf(batch[0])  # noqa: E731
-    return {torch.Tensor: fn, np.ndarray: fn, np.bool_: fn, np.number: fn, float: fn,
-            int: fn, str: _refuse_text, bytes: _refuse_text}
+    return {**dict.fromkeys(_STACKED, fn), str: _refuse_text, bytes: _refuse_text}
 
 
 def _flatten(sample):
@@ -218,16 +220,16 @@ def _difference(got, want, path=""):
     return next((d for d in (_difference(*p) for p in pairs) if d is not None), None)
 
 
-def _paths(obj, prefix=""):
-    """What error messages call a sample's leaves, in collate's order."""
+def _named_leaves(obj, prefix=""):
+    """(what error messages call it, leaf) for a sample's leaves, in collate's order."""
     if isinstance(obj, dict):
         for key, value in obj.items():
-            yield from _paths(value, f"{prefix}[{key!r}]")
+            yield from _named_leaves(value, f"{prefix}[{key!r}]")
     elif isinstance(obj, (list, tuple)) and not isinstance(obj, (str, bytes)):
         for i, value in enumerate(obj):
-            yield from _paths(value, f"{prefix}[{i}]")
+            yield from _named_leaves(value, f"{prefix}[{i}]")
     else:
-        yield f"field {prefix} of this sample" if prefix else "this sample"
+        yield (f"field {prefix} of this sample" if prefix else "this sample"), obj
 
 
 class SampleLayout:
@@ -243,7 +245,7 @@ class SampleLayout:
         self._structure = pickle.dumps(structure)
         self._skeleton = structure
         self.capacity = capacity
-        self.names = list(_paths(sample))
+        self.names = [name for name, _ in _named_leaves(sample)]
         if len(self.names) != len(fields):
             self.names = [f"field {i} of this sample" for i in range(len(fields))]
         self.dtypes = [dtype for dtype, _ in fields]
@@ -290,7 +292,19 @@ class SampleLayout:
     def _fitted(self, sample, first: bool) -> list:
         """The sample's leaves as tensors of its fields' dtypes and shapes
         (`first`: it is its batch's first sample)."""
-        structure, leaves = _flatten(sample)
+        try:
+            structure, leaves = _flatten(sample)
+        except TypeError as e:  # a leaf no collate rule takes (None, say)
+            if first:  # torch's collate fails on it the same way
+                raise
+            where, leaf = next(((name, leaf) for name, leaf in _named_leaves(sample)
+                                if not isinstance(leaf, (*_STACKED, str, bytes))),
+                               ("a field of this sample", None))
+            raise SampleLayoutError(
+                f"fetch='sample': {where} is a {type(leaf).__name__}, which default_collate "
+                "cannot batch, where the loader's first sample had a field of a fixed layout; "
+                "every sample must have the first one's fields (use fetch='batch' "
+                "otherwise).") from e
         difference = _difference(structure, self._skeleton)
         if difference is None and len(leaves) != len(self.dtypes):  # a container unseen above
             difference = f"the sample has {len(leaves)} fields where it had {len(self.dtypes)}"

@@ -105,6 +105,12 @@ def _check_map_style(loader):
             raise ValueError(
                 f"{name}=True needs a map-style dataset (samples at known positions of a "
                 "sampler); an IterableDataset's samples come from its iterator in each worker.")
+    if loader.seed_per_sample and loader._auto_collation \
+            and not _fetched_one_by_one(loader.dataset):
+        raise ValueError(
+            "seed_per_sample=True seeds and fetches each sample with dataset[i], but this "
+            "dataset defines __getitems__, which torch's DataLoader calls with a whole batch "
+            "instead, so the batches could differ. Drop seed_per_sample, or __getitems__.")
     if loader.prefetch_next_epoch and not (loader.persistent_workers and loader.num_workers > 0):
         raise ValueError(
             "prefetch_next_epoch=True needs persistent_workers=True (and num_workers > 0): "

@@ -1041,7 +1041,8 @@ class LazyBitsMap(Dataset):
 class MismatchMap(Dataset):
     """{"image": float32 (3,), "meta": {"label": int, "box": float32 (2,)}}; sample `bad` breaks
     the layout the first sample fixed, by `kind`: "shape" (box of shape (3,)), "dtype" (box as
-    float64), "text" (label as a str), "fields" (an extra key), "ndim" (image of shape (1, 3)).
+    float64), "text" (label as a str), "fields" (an extra key), "ndim" (image of shape (1, 3)),
+    "none" (box is None: an optional field left out).
     Sample `raises` raises a KeyError."""
 
     def __init__(self, n=12, bad=5, kind="shape", raises=None):
@@ -1071,6 +1072,8 @@ class MismatchMap(Dataset):
                 extra = {"more": i}
             elif self.kind == "ndim":
                 image = image.reshape(1, 3)
+            elif self.kind == "none":
+                box = None
         return {"image": image, "meta": {"label": label, "box": box, **extra}}
 
 

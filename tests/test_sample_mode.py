@@ -312,6 +312,7 @@ MISMATCH = {
     "shape": ("['meta']['box']", "float32 of shape (2,)", "float32 of shape (3,)"),
     "dtype": ("['meta']['box']", "float32 of shape (2,)", "float64 of shape (2,)"),
     "ndim": ("['image']", "float32 of shape (3,)", "float32 of shape (1, 3)"),
+    "none": ("['meta']['box']", "a field of a fixed layout", "is a NoneType"),
 }
 
 

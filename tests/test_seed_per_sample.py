@@ -221,6 +221,11 @@ def test_discarded_prefetch_keeps_epoch_numbers():
 INVALID = {
     "iterable": (P(D.ShardedIterable, 4), dict(num_workers=2, seed_per_sample=True)),
     "not-a-bool": (P(D.AugmentMap, 4), dict(num_workers=2, seed_per_sample=1)),
+    # torch would call __getitems__ with whole batches, where seeding needs one sample at a time
+    "getitems": (P(D.GetItemsMap, 6), dict(num_workers=2, seed_per_sample=True)),
+    "getitems-no-workers": (P(D.GetItemsMap, 6), dict(seed_per_sample=True)),
+    "subset-of-getitems": (lambda: tud.Subset(D.GetItemsMap(6), [1, 2, 3]),
+                           dict(num_workers=2, seed_per_sample=True)),
 }
 
 
@@ -229,3 +234,12 @@ def test_invalid_is_value_error(name):
     make, kw = INVALID[name]
     with pytest.raises(ValueError, match="seed_per_sample"):
         ShmDataLoader(make(), batch_size=2, **kw)
+
+
+def test_getitems_is_fine_without_automatic_batching():
+    """batch_size=None: torch fetches dataset[i] one by one too, never __getitems__, so a
+    dataset with one is accepted and yields torch's samples."""
+    want = list(tud.DataLoader(D.GetItemsMap(6), batch_size=None, num_workers=2))
+    got = list(ShmDataLoader(D.GetItemsMap(6), batch_size=None, num_workers=2,
+                             seed_per_sample=True))
+    D.assert_same(want, got, "samples")
