@@ -10,8 +10,9 @@ A run is one preset with one number of workers and one batch size. Both loaders 
 same dataset object and the same arguments. Their first epochs run side by side and must
 yield identical batches; then the limit's workers start (see limit.py) and timed epochs
 alternate (torch, shmloader, limit, torch, ...) so that machine noise hits all of them
-alike, and the figures are medians over those repetitions. Time to first batch and peak
-memory are measured afterwards on fresh, non-persistent loaders, one at a time. Every
+alike, and the figures are medians over those repetitions. Time to first batch is measured
+afterwards on fresh non-persistent loaders, and peak memory per epoch on a fresh persistent
+loader over a few epochs (does it stay flat?), one loader at a time. Every
 run's figures go to one JSON file, with the charts next to it (see charts.py).
 See shared/BENCHMARKS.md for what the figures mean.
 """
@@ -38,6 +39,8 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "throughput.json"
 # (full run, --quick): timed epochs per loader, and fresh loaders timed to first batch.
 REPS = (7, 3)
 FIRST_BATCH_REPS = (5, 3)
+# (full run, --quick): epochs of the loader whose memory is measured, to see it stay flat.
+MEMORY_EPOCHS = (4, 3)
 # (full run, --quick): worker counts, and batch sizes as divisors of each preset's own.
 # A quarter of the batch pays the per-batch costs four times as often per sample.
 WORKERS = ((1, 2, 4), (2,))
@@ -49,6 +52,7 @@ class Settings:
     quick: bool
     reps: int
     first_batch_reps: int
+    memory_epochs: int
 
 
 @dataclass(frozen=True)
@@ -116,16 +120,18 @@ def throughput(makers: dict[str, Callable[..., Any]], settings: Settings, progre
 
 def fresh_loader_figures(makers: dict[str, Callable[..., Any]], spec: Spec, settings: Settings,
                          progress: Callable[[str], None]) -> tuple[dict[str, list[float]], dict[str, Any]]:
-    """Time to first batch (interleaved repetitions) and peak memory, each on a fresh
-    non-persistent loader, one loader alive at a time."""
+    """Time to first batch (interleaved repetitions, each on a fresh non-persistent
+    loader) and peak memory per epoch (a fresh persistent loader over a few epochs), one
+    loader alive at a time."""
     fresh = {name: functools.partial(make, persistent_workers=False) for name, make in makers.items()}
     first = interleaved({name: functools.partial(first_batch_s, make, spec) for name, make in fresh.items()},
                         settings.first_batch_reps, progress, "first batch")
     memory = {}
-    for name, make in fresh.items():
-        progress(f"{name}: memory epoch")
+    for name, make in makers.items():
+        progress(f"{name}: {settings.memory_epochs} memory epochs")
         gc.collect()  # so that no earlier loader's workers count in the process tree
-        memory[name] = peak_memory(make, spec)
+        memory[name] = peak_memory(functools.partial(make, persistent_workers=True), spec,
+                                   settings.memory_epochs)
     return first, memory
 
 
@@ -224,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         quick=args.quick,
         reps=args.reps or REPS[args.quick],
         first_batch_reps=FIRST_BATCH_REPS[args.quick],
+        memory_epochs=MEMORY_EPOCHS[args.quick],
     )
     # Keep the reference first whatever order the loaders were named in.
     classes = {name: loader_class(name) for name in LOADERS if name in args.loaders}

@@ -128,18 +128,28 @@ class Epoch:
     batches: int
     samples: int
     bytes: int
+    # Of cpu_s, the consumer's own (consume(), the training loop's work, not the
+    # loader's): cpu_s - consumer_cpu_s is what the loop loses to the loader.
+    consumer_cpu_s: float = 0.0
+
+    @property
+    def loader_cpu_s(self) -> float:
+        return self.cpu_s - self.consumer_cpu_s
 
 
 def timed_epoch(loader: Any, spec: Spec) -> Epoch:
     batches = samples = nbytes = 0
+    consumer_cpu_s = 0.0
     cpu_start, wall_start = time.process_time(), time.perf_counter()
     for batch in loader:
+        consumer_start = time.thread_time()
         batch_samples, batch_bytes = consume(batch, spec)
+        consumer_cpu_s += time.thread_time() - consumer_start
         batches += 1
         samples += batch_samples
         nbytes += batch_bytes
     wall_s = time.perf_counter() - wall_start
-    return Epoch(wall_s, time.process_time() - cpu_start, batches, samples, nbytes)
+    return Epoch(wall_s, time.process_time() - cpu_start, batches, samples, nbytes, consumer_cpu_s)
 
 
 def first_batch_s(make_loader: Callable[[], Any], spec: Spec) -> float:
@@ -194,20 +204,32 @@ class PeakTreeMemory:
         self._thread.join()
 
 
-def peak_memory(make_loader: Callable[[], Any], spec: Spec) -> dict[str, int] | None:
-    """Peak memory of the process tree over one epoch of a fresh loader, and the tree's
-    memory before the loader existed; None without psutil. Run it when no other
-    loader's workers are alive: they would count as part of the tree."""
+def peak_memory(make_loader: Callable[[], Any], spec: Spec, epochs: int) -> dict[str, Any] | None:
+    """Peak memory of the process tree in each of `epochs` epochs of a fresh loader (made
+    persistent by the caller, so that memory an epoch leaves behind shows in the next),
+    and the tree's memory before the loader existed; None without psutil. Run it when no
+    other loader's workers are alive: they would count as part of the tree."""
     if psutil is None:
         return None
     baseline_pss, baseline_rss = tree_memory()
-    with PeakTreeMemory() as peak:
-        for batch in make_loader():
-            consume(batch, spec)
+    loader = make_loader()
+    peaks = []
+    for _ in range(epochs):
+        with PeakTreeMemory() as peak:
+            batch = None
+            for batch in loader:
+                consume(batch, spec)
+            batch = None  # not held into the next epoch's figure
+        peaks.append((peak.peak_pss, peak.peak_rss))
+    pss = [p for p, _ in peaks]
     return {
         "baseline_pss_bytes": baseline_pss,
-        "peak_pss_bytes": peak.peak_pss,
-        "added_pss_bytes": peak.peak_pss - baseline_pss,
+        "peak_pss_bytes": max(pss),
+        "added_pss_bytes": max(pss) - baseline_pss,
         "baseline_rss_bytes": baseline_rss,
-        "peak_rss_bytes": peak.peak_rss,
+        "peak_rss_bytes": max(r for _, r in peaks),
+        "epoch_peak_pss_bytes": pss,
+        # From the second epoch to the last: the first one makes what stays (a ring's
+        # slots, a worker's caches); memory that keeps growing after it is a leak.
+        "growth_pss_bytes": pss[-1] - pss[1] if len(pss) > 2 else None,
     }

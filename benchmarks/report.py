@@ -32,7 +32,7 @@ def throughput_figures(epochs: list[Epoch]) -> dict[str, Any]:
         "gb_per_s": statistics.median(e.bytes / e.wall_s / 1e9 for e in epochs),
         # (max - min) / median of samples/s: how far apart the repetitions were.
         "throughput_spread": (max(rates) - min(rates)) / statistics.median(rates),
-        "epochs": [dataclasses.asdict(e) for e in epochs],
+        "epochs": [{**dataclasses.asdict(e), "loader_cpu_s": e.loader_cpu_s} for e in epochs],
     }
 
 
@@ -42,7 +42,11 @@ def figures(epochs: list[Epoch], first_batch_reps_s: list[float], memory: dict[s
     result = throughput_figures(epochs)
     result.update({
         "fraction_of_limit": result["samples_per_s"] / limit["samples_per_s"],
-        "cpu_s_per_batch": statistics.median(e.cpu_s / e.batches for e in epochs),
+        # What the training loop loses to the loader: the main process's CPU less the
+        # consumer's own (the same work for every loader), with both kept beside it.
+        "cpu_s_per_batch": statistics.median(e.loader_cpu_s / e.batches for e in epochs),
+        "main_cpu_s_per_batch": statistics.median(e.cpu_s / e.batches for e in epochs),
+        "consumer_cpu_s_per_batch": statistics.median(e.consumer_cpu_s / e.batches for e in epochs),
         "first_batch_s": statistics.median(first_batch_reps_s),
         "memory": memory,
         "first_batch_reps_s": first_batch_reps_s,
@@ -183,6 +187,7 @@ _COLUMNS = [
     Column("first batch s", ("first_batch_s",), "{:.3f}", ratio=True),
     Column("peak PSS MiB", ("memory", "peak_pss_bytes"), "{:,.0f}", scale=2**-20),
     Column("added MiB", ("memory", "added_pss_bytes"), "{:,.0f}", scale=2**-20, ratio=True),
+    Column("growth MiB", ("memory", "growth_pss_bytes"), "{:+,.0f}", scale=2**-20),
 ]
 
 
@@ -196,6 +201,8 @@ def table(record: dict[str, Any]) -> str:
     rows += [[name, *(c.ratio_cell(r) for c in _COLUMNS)] for name, r in record["ratios"].items()]
     lines = [title, *aligned([["loader", *(c.heading for c in _COLUMNS)], *rows])]
     lines.append("ratios: higher is better for samples/s and GB/s; lower for CPU, first batch and memory")
+    lines.append("main CPU: the main process's CPU per batch less the consumer's own (reading one element "
+                 "per tensor); growth: peak PSS of the last memory epoch less the second's")
     lines.append(f"{LIMIT}: the same {workers_label(s['workers'])} fetching the same batches and stacking them "
                  "(large plain rows as shmloader copies them, the rest with torch.stack) into shared memory of their "
                  "own, with no hand-off")
