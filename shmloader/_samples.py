@@ -72,7 +72,10 @@ def _leaf_spec(leaf):
             raise SampleLayoutError(
                 f"fetch='sample' batches are plain tensors viewing shared memory, but a "
                 f"sample holds a {type(leaf).__name__} (a torch.Tensor subclass), which "
-                "torch's collate keeps; use fetch='batch'.")
+                "torch's collate stacks through the subclass's own __torch_function__ (a "
+                "plain subclass stays one, torchvision's tv_tensors come out plain); use "
+                "fetch='batch', or return plain tensors (torchvision: "
+                "transforms.v2.ToPureTensor()).")
         return leaf.dtype, tuple(leaf.shape)
     if isinstance(leaf, np.ndarray):
         if leaf.dtype.hasobject or leaf.dtype.kind in "SU":

@@ -383,6 +383,27 @@ def test_samples_unlike_the_first_never_give_other_data(kind):
         assert refused, "every sample fit the first one's layout: the case tests nothing"
 
 
+class _SubclassSamples(tud.Dataset):
+    """Every sample a tensor subclass, as torchvision's v2 transforms return tv_tensors."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return torch.full((2,), float(index)).as_subclass(D.TensorSub)
+
+
+def test_a_first_sample_of_a_tensor_subclass_is_refused_saying_what_to_return():
+    """The loader's first sample fixes the layout: a subclass there is refused with the
+    remedy (plain tensors, torchvision's ToPureTensor), not a claim about torch's collate
+    that holds for some subclasses only (torch's batch of tv_tensors is a plain tensor)."""
+    loader = ShmDataLoader(_SubclassSamples(), batch_size=2, num_workers=2, fetch="sample")
+    with pytest.raises(SampleLayoutError, match=r"TensorSub \(a torch.Tensor subclass\)") as caught:
+        next(iter(loader))
+    assert "fetch='batch', or return plain tensors" in str(caught.value)
+    assert "ToPureTensor()" in str(caught.value)
+
+
 @pytest.mark.parametrize("kind", ["same-attribute-numpy", "same-attribute-nan",
                                   "same-attribute-tensor", "same-attribute-object",
                                   "same-attribute-shared"])
