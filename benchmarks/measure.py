@@ -205,31 +205,35 @@ class PeakTreeMemory:
 
 
 def peak_memory(make_loader: Callable[[], Any], spec: Spec, epochs: int) -> dict[str, Any] | None:
-    """Peak memory of the process tree in each of `epochs` epochs of a fresh loader (made
-    persistent by the caller, so that memory an epoch leaves behind shows in the next),
-    and the tree's memory before the loader existed; None without psutil. Run it when no
+    """Peak memory of the process tree over the first epoch of a fresh loader (made
+    persistent by the caller), the tree's memory before the loader existed, and its memory
+    between epochs (the loader idle, its workers alive) after each later one, which
+    stays flat unless an epoch leaves memory behind; None without psutil. Run it when no
     other loader's workers are alive: they would count as part of the tree."""
     if psutil is None:
         return None
     baseline_pss, baseline_rss = tree_memory()
     loader = make_loader()
-    peaks = []
-    for _ in range(epochs):
-        with PeakTreeMemory() as peak:
-            batch = None
-            for batch in loader:
-                consume(batch, spec)
-            batch = None  # not held into the next epoch's figure
-        peaks.append((peak.peak_pss, peak.peak_rss))
-    pss = [p for p, _ in peaks]
+    with PeakTreeMemory() as peak:
+        for batch in loader:
+            consume(batch, spec)
+    idle_pss = []
+    # The later epochs unsampled: the sampling thread would slow them (and it is the
+    # memory left between epochs that grows with a leak, not the peak within one).
+    for _ in range(epochs - 1):
+        batch = None  # not held across the measurement
+        for batch in loader:
+            consume(batch, spec)
+        batch = None
+        idle_pss.append(tree_memory()[0])
     return {
         "baseline_pss_bytes": baseline_pss,
-        "peak_pss_bytes": max(pss),
-        "added_pss_bytes": max(pss) - baseline_pss,
+        "peak_pss_bytes": peak.peak_pss,
+        "added_pss_bytes": peak.peak_pss - baseline_pss,
         "baseline_rss_bytes": baseline_rss,
-        "peak_rss_bytes": max(r for _, r in peaks),
-        "epoch_peak_pss_bytes": pss,
-        # From the second epoch to the last: the first one makes what stays (a ring's
-        # slots, a worker's caches); memory that keeps growing after it is a leak.
-        "growth_pss_bytes": pss[-1] - pss[1] if len(pss) > 2 else None,
+        "peak_rss_bytes": peak.peak_rss,
+        # After the second epoch and each one after it (the first makes what stays: a
+        # ring's slots, reserved as they are first used, a worker's caches).
+        "idle_pss_bytes": idle_pss,
+        "growth_pss_bytes": idle_pss[-1] - idle_pss[0] if len(idle_pss) > 1 else None,
     }

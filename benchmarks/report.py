@@ -202,7 +202,7 @@ def table(record: dict[str, Any]) -> str:
     lines = [title, *aligned([["loader", *(c.heading for c in _COLUMNS)], *rows])]
     lines.append("ratios: higher is better for samples/s and GB/s; lower for CPU, first batch and memory")
     lines.append("main CPU: the main process's CPU per batch less the consumer's own (reading one element "
-                 "per tensor); growth: peak PSS of the last memory epoch less the second's")
+                 "per tensor); growth: PSS between epochs, after the last memory epoch less after the second")
     lines.append(f"{LIMIT}: the same {workers_label(s['workers'])} fetching the same batches and stacking them "
                  "(large plain rows as shmloader copies them, the rest with torch.stack) into shared memory of their "
                  "own, with no hand-off")

@@ -168,7 +168,7 @@ def multi_field_preset() -> Preset:
                      f"uint8 masks {OBJECTS}x{MASK_SIDE}x{MASK_SIDE}, int id, str filename"),
         batch_size=16,
         batches=320,
-        quick_batches=80,
+        quick_batches=56,
         sample_bytes=sum(prod(shape) * dtype.itemsize for shape, dtype in DETECTION_FIELDS.values()),
         make_dataset=lambda length, scratch: DetectionDataset(detection_pool(), length),
     )
@@ -212,10 +212,10 @@ def size_sweep_presets() -> list[Preset]:
 
 
 PRESETS = {p.name: p for p in [
-    tensor_preset("uint8-224", (3, 224, 224), torch.uint8, batch_size=256, batches=240, quick_batches=60),
-    tensor_preset("f32-512", (3, 512, 512), torch.float32, batch_size=32, batches=70, quick_batches=20),
-    tensor_preset("uint8-1024", (3, 1024, 1024), torch.uint8, batch_size=16, batches=160, quick_batches=40),
-    tensor_preset("tiny", (256,), torch.float32, batch_size=64, batches=4000, quick_batches=1000),
+    tensor_preset("uint8-224", (3, 224, 224), torch.uint8, batch_size=256, batches=240, quick_batches=40),
+    tensor_preset("f32-512", (3, 512, 512), torch.float32, batch_size=32, batches=70, quick_batches=14),
+    tensor_preset("uint8-1024", (3, 1024, 1024), torch.uint8, batch_size=16, batches=160, quick_batches=28),
+    tensor_preset("tiny", (256,), torch.float32, batch_size=64, batches=4000, quick_batches=700),
     multi_field_preset(),
     jpeg_preset(),
     *size_sweep_presets(),
