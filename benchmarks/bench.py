@@ -11,8 +11,9 @@ same dataset object and the same arguments. Their first epochs run side by side 
 yield identical batches; then the limit's workers start (see limit.py) and timed epochs
 alternate (torch, shmloader, limit, torch, ...) so that machine noise hits all of them
 alike, and the figures are medians over those repetitions. Time to first batch is measured
-afterwards on fresh non-persistent loaders, and peak memory per epoch on a fresh persistent
-loader over a few epochs (does it stay flat?), one loader at a time. Every
+afterwards on fresh non-persistent loaders (from construction to holding the first batch),
+and memory on a fresh persistent loader over a few epochs (its peak, and what is left between
+epochs: does it stay flat?), one loader at a time. Every
 run's figures go to one JSON file, with the charts next to it (see charts.py).
 See shared/BENCHMARKS.md for what the figures mean.
 """
@@ -121,8 +122,8 @@ def throughput(makers: dict[str, Callable[..., Any]], settings: Settings, progre
 def fresh_loader_figures(makers: dict[str, Callable[..., Any]], spec: Spec, settings: Settings,
                          progress: Callable[[str], None]) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """Time to first batch (interleaved repetitions, each on a fresh non-persistent
-    loader) and peak memory per epoch (a fresh persistent loader over a few epochs), one
-    loader alive at a time."""
+    loader) and memory (a fresh persistent loader over a few epochs: the peak, and the
+    memory left between epochs), one loader alive at a time."""
     fresh = {name: functools.partial(make, persistent_workers=False) for name, make in makers.items()}
     first = interleaved({name: functools.partial(first_batch_s, make, spec) for name, make in fresh.items()},
                         settings.first_batch_reps, progress, "first batch")

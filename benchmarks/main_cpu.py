@@ -11,7 +11,8 @@ between batches. The dataset returns the same small tensor for every index, with
 copy, so the workers stream almost nothing; a sleep in one sample of each batch spaces
 the batches out without using a core. Each row is both loaders over the same dataset
 object, 2 workers, persistent, the consumer reading one element per tensor as bench.py's
-does; figures are main-process CPU (time.process_time) per batch, median of 3 epochs
+does; figures are main-process CPU (time.process_time) per batch less the consumer's own,
+as bench.py reports it, median of 3 epochs
 after a warm-up one, the two loaders' epochs interleaved (see measure.interleaved), with
 each loader's own time between batches beside it (torch's back to back is slower).
 If the CPU per batch grows with the interval alone, it is the cost of running the same
@@ -30,7 +31,7 @@ import torch
 from torch.utils.data import Dataset
 
 import report
-from measure import interleaved
+from measure import batch_spec, interleaved, timed_epoch
 
 import shmloader
 
@@ -63,15 +64,11 @@ def _quiet(line: str) -> None:
     """No progress line per epoch: the interval's line says what runs."""
 
 
-def epoch_ms_per_batch(loader) -> tuple[float, float]:
-    """(main-process CPU ms per batch, wall ms per batch) of one epoch."""
-    batches = 0
-    cpu_start, wall_start = time.process_time(), time.perf_counter()
-    for data, _ in loader:
-        data[0, 0].item()
-        batches += 1
-    return ((time.process_time() - cpu_start) / batches * 1e3,
-            (time.perf_counter() - wall_start) / batches * 1e3)
+def epoch_ms_per_batch(loader, spec) -> tuple[float, float]:
+    """(main-process CPU ms per batch less the consumer's own, wall ms per batch) of one
+    epoch, measured as bench.py measures it."""
+    epoch = timed_epoch(loader, spec)
+    return epoch.loader_cpu_s / epoch.batches * 1e3, epoch.wall_s / epoch.batches * 1e3
 
 
 def main(argv=None) -> None:
@@ -89,9 +86,10 @@ def main(argv=None) -> None:
         loaders = {name: cls(dataset, batch_size=BATCH_SIZE, num_workers=WORKERS, persistent_workers=True)
                    for name, cls in (("torch", torch.utils.data.DataLoader),
                                      ("shmloader", shmloader.DataLoader))}
+        spec = batch_spec(next(iter(loaders["torch"])))
         for loader in loaders.values():  # a warm-up epoch each
-            epoch_ms_per_batch(loader)
-        figures = interleaved({name: functools.partial(epoch_ms_per_batch, loader)
+            epoch_ms_per_batch(loader, spec)
+        figures = interleaved({name: functools.partial(epoch_ms_per_batch, loader, spec)
                                for name, loader in loaders.items()}, EPOCHS, _quiet, "epoch")
         for name, epochs in figures.items():
             row[f"{name}_cpu_ms"] = statistics.median(cpu for cpu, _ in epochs)

@@ -19,7 +19,9 @@ except ImportError:  # memory figures are optional; everything else runs without
 # A batch's layout: (path, shape, dtype) of every tensor leaf, in traversal order.
 Spec = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
 
-MEMORY_SAMPLE_INTERVAL_S = 0.02
+# Often enough to see the batches in flight (a large batch lives for tens of ms), seldom
+# enough that reading every process's PSS does not slow the epoch it measures much.
+MEMORY_SAMPLE_INTERVAL_S = 0.05
 
 Result = TypeVar("Result")
 
@@ -205,35 +207,34 @@ class PeakTreeMemory:
 
 
 def peak_memory(make_loader: Callable[[], Any], spec: Spec, epochs: int) -> dict[str, Any] | None:
-    """Peak memory of the process tree over the first epoch of a fresh loader (made
-    persistent by the caller), the tree's memory before the loader existed, and its memory
-    between epochs (the loader idle, its workers alive) after each later one, which
-    stays flat unless an epoch leaves memory behind; None without psutil. Run it when no
-    other loader's workers are alive: they would count as part of the tree."""
+    """Memory of the process tree over `epochs` epochs of a fresh loader (made persistent
+    by the caller): its peak over all of them, sampled by a thread, the tree's memory
+    before the loader existed, and its memory between epochs (the loader idle, its
+    workers alive) after each one, which stays flat unless an epoch leaves memory behind;
+    None without psutil. Run it when no other loader's workers are alive: they would
+    count as part of the tree."""
     if psutil is None:
         return None
     baseline_pss, baseline_rss = tree_memory()
     loader = make_loader()
-    with PeakTreeMemory() as peak:
-        for batch in loader:
-            consume(batch, spec)
     idle_pss = []
-    # The later epochs unsampled: the sampling thread would slow them (and it is the
-    # memory left between epochs that grows with a leak, not the peak within one).
-    for _ in range(epochs - 1):
-        batch = None  # not held across the measurement
-        for batch in loader:
-            consume(batch, spec)
-        batch = None
-        idle_pss.append(tree_memory()[0])
+    with PeakTreeMemory() as peak:
+        for _ in range(epochs):
+            batch = None
+            for batch in loader:
+                consume(batch, spec)
+            batch = None  # not held across the reading
+            idle_pss.append(tree_memory()[0])
     return {
         "baseline_pss_bytes": baseline_pss,
         "peak_pss_bytes": peak.peak_pss,
         "added_pss_bytes": peak.peak_pss - baseline_pss,
         "baseline_rss_bytes": baseline_rss,
         "peak_rss_bytes": peak.peak_rss,
-        # After the second epoch and each one after it (the first makes what stays: a
-        # ring's slots, reserved as they are first used, a worker's caches).
         "idle_pss_bytes": idle_pss,
-        "growth_pss_bytes": idle_pss[-1] - idle_pss[0] if len(idle_pss) > 1 else None,
+        # After the last epoch less after the second: the first makes what stays (with
+        # slot_bytes=None the ring is sized by the first batches and its slots reserved as
+        # they are first used, partly in the second epoch; a worker's caches), and memory
+        # an epoch leaves behind (a leak) adds up from then on.
+        "growth_pss_bytes": idle_pss[-1] - idle_pss[1] if len(idle_pss) > 2 else None,
     }

@@ -36,14 +36,15 @@ def throughput_figures(epochs: list[Epoch]) -> dict[str, Any]:
     }
 
 
-def figures(epochs: list[Epoch], first_batch_reps_s: list[float], memory: dict[str, int] | None,
+def figures(epochs: list[Epoch], first_batch_reps_s: list[float], memory: dict[str, Any] | None,
             stats: Any, limit: dict[str, Any]) -> dict[str, Any]:
     """One loader's figures, with its throughput as a fraction of the limit's."""
     result = throughput_figures(epochs)
     result.update({
         "fraction_of_limit": result["samples_per_s"] / limit["samples_per_s"],
         # What the training loop loses to the loader: the main process's CPU less the
-        # consumer's own (the same work for every loader), with both kept beside it.
+        # consumer's own (the same reads for every loader, though they cost more on
+        # torch's fresh segments), with both kept beside it.
         "cpu_s_per_batch": statistics.median(e.loader_cpu_s / e.batches for e in epochs),
         "main_cpu_s_per_batch": statistics.median(e.cpu_s / e.batches for e in epochs),
         "consumer_cpu_s_per_batch": statistics.median(e.consumer_cpu_s / e.batches for e in epochs),
@@ -202,7 +203,7 @@ def table(record: dict[str, Any]) -> str:
     lines = [title, *aligned([["loader", *(c.heading for c in _COLUMNS)], *rows])]
     lines.append("ratios: higher is better for samples/s and GB/s; lower for CPU, first batch and memory")
     lines.append("main CPU: the main process's CPU per batch less the consumer's own (reading one element "
-                 "per tensor); growth: PSS between epochs, after the last memory epoch less after the second")
+                 "per tensor); growth: the tree's PSS between epochs, after the last memory epoch less after the second")
     lines.append(f"{LIMIT}: the same {workers_label(s['workers'])} fetching the same batches and stacking them "
                  "(large plain rows as shmloader copies them, the rest with torch.stack) into shared memory of their "
                  "own, with no hand-off")

@@ -134,9 +134,10 @@ class Preset:
     description: str
     batch_size: int
     # Epoch lengths in batches, sized so that a torch epoch takes about 4 s in a full
-    # run (2 s for the size sweep, which has many points) and 0.5 to 1 s with --quick
-    # on 2 cores: long enough for start-up and scheduling noise to stay small against
-    # the figure.
+    # run (2 s for the size sweep, which has many points) and about 1 s with --quick on
+    # 2 cores, so that --quick finishes in under 2 minutes. shmloader's and the limit's
+    # --quick epochs on the large images then last 0.1-0.2 s, short enough for a few
+    # milliseconds of scheduling noise to show: the full run's are four times longer.
     batches: int
     quick_batches: int
     sample_bytes: int  # tensor bytes of one sample
@@ -215,7 +216,7 @@ PRESETS = {p.name: p for p in [
     tensor_preset("uint8-224", (3, 224, 224), torch.uint8, batch_size=256, batches=240, quick_batches=40),
     tensor_preset("f32-512", (3, 512, 512), torch.float32, batch_size=32, batches=70, quick_batches=14),
     tensor_preset("uint8-1024", (3, 1024, 1024), torch.uint8, batch_size=16, batches=160, quick_batches=28),
-    tensor_preset("tiny", (256,), torch.float32, batch_size=64, batches=4000, quick_batches=700),
+    tensor_preset("tiny", (256,), torch.float32, batch_size=64, batches=4000, quick_batches=600),
     multi_field_preset(),
     jpeg_preset(),
     *size_sweep_presets(),
