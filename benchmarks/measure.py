@@ -220,7 +220,6 @@ def peak_memory(make_loader: Callable[[], Any], spec: Spec, epochs: int) -> dict
     idle_pss = []
     with PeakTreeMemory() as peak:
         for _ in range(epochs):
-            batch = None
             for batch in loader:
                 consume(batch, spec)
             batch = None  # not held across the reading
