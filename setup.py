@@ -7,7 +7,6 @@ ring = Extension(
     sources=["shmloader/_ring.pyx", "csrc/shmring.c"],
     include_dirs=["csrc"],
     extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-    libraries=["rt"],
 )
 
 setup(ext_modules=cythonize([ring], language_level=3))

@@ -117,26 +117,31 @@ static int map_segment(int fd, int efd, uint64_t bytes, shmring_t **out) {
 }
 
 /* Size, reserve, map and initialise a new segment in `fd` (which it owns:
- * closed on failure). */
-static int init_segment(int fd, uint32_t nslots, uint64_t slot_bytes, shmring_t **out);
+ * closed on failure); `seal`: fix its size for good (a memfd). */
+static int init_segment(int fd, int seal, uint32_t nslots, uint64_t slot_bytes,
+                        shmring_t **out);
+
+int shmring_create_memfd(const char *name, uint32_t nslots, uint64_t slot_bytes,
+                         shmring_t **out) {
+    int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) return -errno;
+    /* A memfd is made 0777; producers' attach refuses any group/other access. */
+    if (fchmod(fd, 0600) != 0) {
+        int err = errno;
+        close(fd);
+        return -err;
+    }
+    return init_segment(fd, 1, nslots, slot_bytes, out);
+}
 
 int shmring_create_in(const char *dir, uint32_t nslots, uint64_t slot_bytes, shmring_t **out) {
     int fd = open(dir, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
     if (fd < 0) return -errno;
-    return init_segment(fd, nslots, slot_bytes, out);
+    return init_segment(fd, 0, nslots, slot_bytes, out);
 }
 
-int shmring_create_named(const char *name, uint32_t nslots, uint64_t slot_bytes,
-                         shmring_t **out) {
-    int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd < 0) return -errno;
-    /* The name goes at once, before the slow part (reserving and touching
-     * every page); the segment lives on in this fd and the producers'. */
-    shm_unlink(name);
-    return init_segment(fd, nslots, slot_bytes, out);
-}
-
-static int init_segment(int fd, uint32_t nslots, uint64_t slot_bytes, shmring_t **out) {
+static int init_segment(int fd, int seal, uint32_t nslots, uint64_t slot_bytes,
+                        shmring_t **out) {
     uint64_t data_off = data_offset(nslots);
     uint64_t total = 0;
     if (nslots == 0 || nslots > SHMRING_MAX_SLOTS || slot_bytes == 0) {
@@ -160,16 +165,23 @@ static int init_segment(int fd, uint32_t nslots, uint64_t slot_bytes, shmring_t 
         err = errno;
         goto fail;
     }
+    /* No process holding the fd may change the size under the others: a
+     * shrink would be a SIGBUS in whoever touches the lost pages. */
+    if (seal && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+        err = errno;
+        goto fail;
+    }
     /* The header now; each slot's data when it is first written (by the
      * producer, shmring_reserve).  Reserving all of it here zeroed some 20 ms
      * per 80 MB of pages before the first batch could be written, on cores
      * the workers need.  The room for all of it must be free now, though: a
-     * too-small /dev/shm fails here. */
+     * too-small /dev/shm fails here.  (A memfd's filesystem has no size,
+     * f_blocks 0: memory alone limits it, which the caller checks.) */
     if (fstatvfs(fd, &fs) != 0) {
         err = errno;
         goto fail;
     }
-    if ((uint64_t)fs.f_bavail < (total - data_off) / fs.f_frsize + 1) {
+    if (fs.f_blocks != 0 && (uint64_t)fs.f_bavail < (total - data_off) / fs.f_frsize + 1) {
         err = ENOSPC;
         goto fail;
     }

@@ -1,5 +1,5 @@
 /*
- * shmring: a ring of fixed-size batch slots in one POSIX shared-memory segment.
+ * shmring: a ring of fixed-size batch slots in one shared-memory segment.
  *
  * The C core knows bytes and ordering only: it creates, attaches and maps the
  * segment, moves slots through their states with C11 atomics, and sleeps in
@@ -71,19 +71,18 @@ typedef struct shmring shmring_t; /* process-local handle, opaque */
 
 /* Create a segment for `nslots` slots of at least `slot_bytes` each, map it,
  * and create the wake-up eventfd.  The header's pages are reserved now, a
- * slot's by its first writer (shmring_reserve); but the filesystem must have
- * room for all of them now (a too-small /dev/shm fails here with -ENOSPC).
- * The segment never has a name anyone else could open or that a dying
- * process could leave behind:
- *   _in:    an unnamed file (O_TMPFILE) in the tmpfs directory `dir`;
- *   _named: for kernels without O_TMPFILE on tmpfs, shm_open(`name`, O_EXCL)
- *           (an existing name fails with -EEXIST, never attaches to someone
- *           else's file), unlinked right away.
- * Either way the segment lives on only in fds: this handle's and those
- * passed to the producers. */
-int shmring_create_in(const char *dir, uint32_t nslots, uint64_t slot_bytes, shmring_t **out);
-int shmring_create_named(const char *name, uint32_t nslots, uint64_t slot_bytes,
+ * slot's by its first writer (shmring_reserve).  The segment never has a
+ * name anyone else could open or that a dying process could leave behind:
+ * it lives on only in fds, this handle's and those passed to the producers.
+ *   _memfd: anonymous memory (memfd_create; `name` only labels it in
+ *           /proc/<pid>/fd), its size sealed (F_SEAL_SHRINK | F_SEAL_GROW),
+ *           limited by memory alone;
+ *   _in:    where memfd_create is refused, an unnamed file (O_TMPFILE) in
+ *           the tmpfs directory `dir`, which must have room for all of it
+ *           now (-ENOSPC if not). */
+int shmring_create_memfd(const char *name, uint32_t nslots, uint64_t slot_bytes,
                          shmring_t **out);
+int shmring_create_in(const char *dir, uint32_t nslots, uint64_t slot_bytes, shmring_t **out);
 
 /* Map a segment received as an open fd (plus its eventfd).  Checks that the
  * file belongs to this user with no group/other access, and that magic,
@@ -114,8 +113,9 @@ int shmring_claim(shmring_t *r, uint32_t *slot);
 
 /* Producer, before its first write to a slot: reserve the slot's pages
  * (posix_fallocate, once per slot for all processes), so that no write ever
- * lands on memory tmpfs cannot supply (SIGBUS).  -ENOSPC when /dev/shm has
- * filled up since the ring was made. */
+ * lands on memory the kernel cannot supply (SIGBUS).  -ENOSPC when /dev/shm
+ * (the fallback's) has filled up since the ring was made, -ENOMEM when
+ * memory (the memory cgroup's) has run out. */
 int shmring_reserve(shmring_t *r, uint32_t slot);
 
 /* Consumer: reserve every slot's pages now (before pinning the whole ring). */

@@ -43,9 +43,8 @@ from . import _cuda, _layout
 from ._pool import WorkerDied, WorkerPool
 from ._ring import MAX_SLOTS
 from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
-from ._rings import (SharedMemoryError, create_ring, idle_ring_held_by, idle_rings_crowd_shm,
-                     make_room_for_the_rest, release_idle_rings, reserve_in_background, retire,
-                     ring_in_use_by, short_room_message, slots_with_room)
+from ._rings import (SharedMemoryError, create_ring, reserve_in_background, retire,
+                     slots_that_fit, smaller_ring_message)
 from ._sampler_state import PrefetchedEpoch, can_prefetch
 from ._seeding import countable, positions_in
 from ._warn import WarnsBetweenBatches, init_as_torch
@@ -108,8 +107,6 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._row_errors = {}  # fetch="sample": task id -> {row: (ExceptionWrapper, collating)}
         self._slot_bytes = loader.slot_bytes
         self._sized_by_user = loader.num_slots is not None
-        # No room in /dev/shm for a ring this epoch: torch's transport for all.
-        self._no_room = False
         # Capped at what a ring can hold: tasks in flight beyond it travel by
         # torch's transport (with the ring-full warning).
         self._nslots = loader.num_slots or min(
@@ -130,10 +127,6 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             # Before the workers are forked: a spare ring not taken is gone
             # then, not mapped on in them (its memory held) as they run.
             self._open_ring(slot_bytes)
-        if self._ring is None and idle_rings_crowd_shm():
-            # Batches by torch's transport first (sizing the ring): they need
-            # the room other loaders' idle rings hold.
-            release_idle_rings()
 
         ctx = loader.multiprocessing_context or torch.multiprocessing
         init_fn = loader.worker_init_fn
@@ -210,10 +203,6 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         """The loader's spare ring where it fits, else a new one (or none)."""
         slot_bytes = max(slot_bytes, self._slot_bytes or 0) + self._state_bytes
         self._ring = self._handover.take_spare_ring(self._nslots, slot_bytes)
-        if self._ring is not None and not self._sized_by_user and \
-                not make_room_for_the_rest(self._ring):
-            retire(self._ring)  # and made anew, to fit
-            self._ring = None
         if self._ring is None:
             # The stats stop reading the loader's last ring, so that its memory
             # is gone before this one is measured out and made.
@@ -240,47 +229,26 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._counters.use_ring(self._ring, self._num_workers)
 
     def _create_ring(self, slot_bytes: int):
-        """A new ring.  Where /dev/shm is short of room for all of it (torch's
-        loader works in a small /dev/shm, as Docker's default 64 MB: so must
-        this one), with the default num_slots: if the room holds every batch
-        in flight, the one being yielded and the one the loop holds (torch's
-        transport's peak), the slots that fit but one, whose room is left to
-        torch's transport for the batches beyond them; else none (None: this
-        epoch's batches all go by torch's transport, as torch's do).  A
-        num_slots the user chose that does not fit, or a slot_bytes of which
-        not one slot does, is an error."""
-        fit, room = slots_with_room(self._nslots, slot_bytes)
-        if fit < self._nslots and not self._sized_by_user:
-            # Rings idle between their loaders' epochs give their room first
-            # (a validation loader beside a training loader's ring).
-            release_idle_rings()
-            fit, room = slots_with_room(self._nslots, slot_bytes)
-        if self._sized_by_user or fit == self._nslots or \
-                (fit == 0 and self._slot_bytes is not None):
-            return create_ring(self._nslots, slot_bytes)  # (its error names the sizes)
-        nslots = fit - 1 if fit >= self._prefetch_factor * self._num_workers + 2 else 0
-        message = short_room_message(nslots, self._nslots, slot_bytes, room)
-        ring = None
-        if nslots:
-            try:
-                ring = create_ring(nslots, slot_bytes)
-            except SharedMemoryError:  # the room went meanwhile
-                message = short_room_message(0, self._nslots, slot_bytes, room)
-        if not self._counters.warned_shm_room:
-            self._counters.warned_shm_room = True
-            self._warn(message, "warned_shm_room")
-        self._no_room = ring is None
-        return ring
+        """A new ring, checked against the memory this process can get.  With
+        the default num_slots, a ring that does not fit is made smaller, down
+        to the batches in flight, the one being yielded and the one the loop
+        holds; below that, or with a num_slots the user chose, it is a
+        SharedMemoryError naming the bytes needed and available."""
+        nslots = self._nslots
+        if not self._sized_by_user:
+            fit, room = slots_that_fit(slot_bytes)
+            least = min(self._prefetch_factor * self._num_workers + 2, nslots)
+            if least <= fit < nslots:
+                nslots = fit
+                if not self._counters.warned_smaller_ring:
+                    self._counters.warned_smaller_ring = True
+                    self._warn(smaller_ring_message(fit, self._nslots, slot_bytes, room),
+                               "warned_smaller_ring")
+        return create_ring(nslots, slot_bytes)  # (its error names the sizes)
 
-    def idle_ring_bytes(self) -> int:
-        return self._ring.total_bytes if self._ring is not None else 0
-
-    def give_back_ring(self) -> None:
-        """Another loader is short of room: this persistent iterator, between
-        epochs, retires its ring (batches the loop keeps keep their slots)
-        and makes one again as its next epoch starts (see _reset)."""
-        if self._ring is None or self._shutdown:
-            return
+    def _retire_ring(self) -> None:
+        """This persistent iterator's ring is made anew (batches the loop
+        keeps keep their slots)."""
         ring, self._ring = self._ring, None
         self._counters.use_ring(None, self._num_workers)
         retire(ring)
@@ -314,7 +282,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         return None
     def _claim_slot(self) -> int:
         if self._ring is None:
-            return NO_SLOT if self._no_room else MEASURE
+            return MEASURE
         if self._registered:
             self._ring.release_hook.reclaim(self._ring)  # slots whose copies are done
         slot = self._ring.claim()
@@ -355,17 +323,8 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             self._counters.use_ring(self._ring, self._num_workers, counted=True)
         loader._progress = self._progress
         self._forget_deferred_warnings()  # met in an epoch left unfinished
-        ring_in_use_by(self)
-        if not first_iter and self._ring is not None and not self._sized_by_user and \
-                self._prefetched is None and not self._tasks_outstanding and \
-                not make_room_for_the_rest(self._ring):
-            # A persistent iterator's ring, some slots never reserved, and
-            # their room taken meanwhile (see _open_ring).
-            self.give_back_ring()
         if self._ring is None and not first_iter:
-            # No room for one last epoch, or given back to another loader:
-            # maybe there is room now.
-            self._no_room = False
+            # Sized by the last epoch's batches, after its last next().
             slot_bytes = self._known_slot_bytes()
             if slot_bytes:
                 self._start_ring(slot_bytes)
@@ -421,7 +380,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
                 if self._ring is not None and self._outgrown():
                     # A batch outgrew the slots: the ring is made anew, now
                     # that no task of an earlier epoch can still write it.
-                    self.give_back_ring()
+                    self._retire_ring()
                     self._start_ring(self._known_slot_bytes())
             for _ in range(self._prefetch_factor * self._num_workers):
                 self._try_put_index()
@@ -761,8 +720,8 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             # before the first one, and be smaller).  A batch that does not
             # fit the ring made since (it spilled, or was sent before the ring
             # was made) makes the slots larger when the next epoch starts
-            # (see _reset), where /dev/shm has room for all of them (else an
-            # outsized batch would cost the ring, not just itself).
+            # (see _reset), where memory holds all of them (else an outsized
+            # batch would cost the ring, not just itself).
             needed = msg[4]
             handover = self._handover
             handover.largest_batch_bytes = max(handover.largest_batch_bytes, needed)
@@ -776,28 +735,12 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
 
     def _grow_for(self, learned: int) -> None:
         """A batch outgrew this iterator's ring: its slots grow to `learned`
-        bytes at the next epoch where a ring of those fits in its place.  A
-        growth already planned for a smaller batch is called off where it
-        would leave no room for this batch's spills (torch's transport takes
-        /dev/shm too: a ring grown to fill Docker's 64 MB for one batch would
-        make a larger one fail)."""
-        handover = self._handover
-        planned = handover.learned_slot_bytes or 0
-        if learned > planned and self._fits_with_spills(learned):
-            handover.learned_slot_bytes = learned
-        elif planned + self._state_bytes > self._ring.slot_bytes \
-                and not self._fits_with_spills(planned):
-            handover.learned_slot_bytes = self._ring.slot_bytes - self._state_bytes
-
-    def _fits_with_spills(self, learned: int) -> bool:
-        """Whether a ring of slots of `learned` bytes fits in this one's
-        place, with room beside it for the largest batch seen to spill, at
-        each place it can be in flight, if it would not fit those slots."""
-        outsized = self._handover.largest_batch_bytes
-        spills = self._prefetch_factor * self._num_workers * outsized if outsized > learned else 0
-        fit, _ = slots_with_room(self._nslots, learned + self._state_bytes, replacing=self._ring,
-                                 keep_free=spills)
-        return fit == self._nslots
+        bytes at the next epoch, where a ring of those fits in memory in this
+        one's place."""
+        if learned > (self._handover.learned_slot_bytes or 0):
+            fit, _ = slots_that_fit(learned + self._state_bytes, replacing=self._ring)
+            if fit >= self._ring.nslots:
+                self._handover.learned_slot_bytes = learned
 
     def _get_data(self):
         """(epoch index, data) of the next result of this epoch."""
@@ -847,8 +790,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         return batch
 
     def _next_batch(self):
-        if self._ring is None and self._handover.learned_slot_bytes is not None \
-                and not self._no_room:
+        if self._ring is None and self._handover.learned_slot_bytes is not None:
             self._start_ring(self._known_slot_bytes())
         end = self._send_idx if self._next_epoch_at is None else self._next_epoch_at
         while True:
@@ -872,10 +814,6 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
                 self._progress.epoch_ended()
                 if not self._persistent_workers:
                     self._shutdown_workers()
-                elif self._prefetched is None:
-                    if self._ring is not None and self._ring.nslots < self._nslots:
-                        self.give_back_ring()  # made smaller: made to fit again next epoch
-                    idle_ring_held_by(self)  # until the next epoch (see give_back_ring)
                 raise StopIteration
 
             if len(self._task_info[self._rcvd_idx]) == 2:

@@ -27,7 +27,7 @@ cdef extern from "shmring.h" nogil:
         SHMRING_WORKER_COUNTERS
 
     int shmring_create_in(const char *dir, uint32_t nslots, uint64_t slot_bytes, shmring_t **out)
-    int shmring_create_named(const char *name, uint32_t nslots, uint64_t slot_bytes, shmring_t **out)
+    int shmring_create_memfd(const char *name, uint32_t nslots, uint64_t slot_bytes, shmring_t **out)
     int shmring_attach(int fd, int efd, shmring_t **out)
     void shmring_close_fds(shmring_t *r)
     void shmring_close_wakeup(shmring_t *r)

@@ -85,15 +85,16 @@ cdef class Ring:
             self._r = NULL
 
     @staticmethod
-    def create_in(str directory, uint32_t nslots, uint64_t slot_bytes):
-        """A new mapped segment (each slot reserved by its first writer, room
-        for all of them checked now): an unnamed file in the tmpfs `directory`."""
-        return _create(shmring_create_in, directory, nslots, slot_bytes)
+    def create_memfd(str name, uint32_t nslots, uint64_t slot_bytes):
+        """A new mapped segment in anonymous memory, its size sealed (each
+        slot reserved by its first writer); `name` labels it in /proc."""
+        return _create(shmring_create_memfd, name, nslots, slot_bytes)
 
     @staticmethod
-    def create_named(str name, uint32_t nslots, uint64_t slot_bytes):
-        """As create_in, through shm_open(name), whose name is removed at once."""
-        return _create(shmring_create_named, name, nslots, slot_bytes)
+    def create_in(str directory, uint32_t nslots, uint64_t slot_bytes):
+        """As create_memfd, where memfd_create is refused: an unnamed file in
+        the tmpfs `directory`, which must have room for all of it now."""
+        return _create(shmring_create_in, directory, nslots, slot_bytes)
 
     @staticmethod
     def attach(int fd, int efd):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ._rings import ring_memory
+
 
 @dataclasses.dataclass(frozen=True)
 class WorkerStats:
@@ -45,6 +47,8 @@ class LoaderStats:
         out another (set_epoch not called with e + 1, a generator reseeded):
         fetched by the workers, their __getitem__ calls made, then dropped.
     ring_slots, slot_bytes: the current ring's geometry (0 before it exists).
+    ring_memory: where rings live, in one line: memfd memory, or /dev/shm
+        where memfd_create is refused (and why).
     workers: per worker, see WorkerStats (work done before a worker had the
         ring is added once it has it: a worker that exits first, as a
         non-persistent one may in a short epoch, leaves it out).
@@ -67,6 +71,7 @@ class LoaderStats:
     dropped_prefetched_batches: int = 0
     ring_slots: int = 0
     slot_bytes: int = 0
+    ring_memory: str = ""
     workers: tuple = ()
 
     @property
@@ -84,7 +89,7 @@ class LoaderStats:
             f"{self.wait_seconds:.3f} s of {self.wall_seconds:.3f} s ({self.wait_fraction:.0%})",
             f"ring: {self.ring_slots} x {self.slot_bytes} bytes, {self.occupancy_mean:.1f} slots "
             f"in use on average (max {self.occupancy_max}); {self.slot_batches} batches through "
-            f"it ({share:.0%}), {self.bytes_moved / 1e9:.3f} GB moved",
+            f"it ({share:.0%}), {self.bytes_moved / 1e9:.3f} GB moved; in {self.ring_memory}",
             f"torch transport: {self.unsized_batches} before sizing, {self.ring_full_batches} "
             f"ring full, {self.spilled_batches} spilled; {self.fallback_leaves} fallback leaves; "
             f"{self.prefetched_epochs} prefetched epochs ({self.dropped_prefetched_batches} "
@@ -105,7 +110,7 @@ class Counters:
     """The mutable counters behind LoaderStats, shared by a loader's iterators."""
 
     __slots__ = _COUNTED + ("occupancy_sum", "warned_ring_full", "warned_spill",
-                            "warned_register", "warned_shm_room", "_ring", "_workers",
+                            "warned_register", "warned_smaller_ring", "_ring", "_workers",
                             "_retired", "_counted")
 
     def __init__(self):
@@ -114,7 +119,7 @@ class Counters:
         self.warned_ring_full = False
         self.warned_spill = False
         self.warned_register = False
-        self.warned_shm_room = False
+        self.warned_smaller_ring = False
         self._ring = None  # the ring whose worker counters are live
         self._workers = 0
         self._retired = []  # [busy_ns, samples, batches, bytes] per worker, of older rings
@@ -168,6 +173,7 @@ class Counters:
             occupancy_mean=self.occupancy_sum / self.batches if self.batches else 0.0,
             ring_slots=ring.nslots if ring is not None else 0,
             slot_bytes=ring.slot_bytes if ring is not None else 0,
+            ring_memory=ring_memory(),
             workers=tuple(WorkerStats(busy_ns / 1e9, samples, nbytes)
                           for busy_ns, samples, _, nbytes in totals),
         )

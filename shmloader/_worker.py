@@ -662,13 +662,11 @@ class _Work:
     def _batch_error(self, error: Exception):
         """The ExceptionWrapper of a batch's error.  torch's failure to
         allocate shared memory (its collate's in a worker, or its transport's)
-        beside this worker's ring says that the ring keeps part of /dev/shm,
-        and what to change; it stays a RuntimeError, as torch's."""
-        if self.slots is None or not (isinstance(error, RuntimeError)
-                                      and "unable to allocate shared memory" in str(error)):
+        in /dev/shm says what to change; it stays a RuntimeError, as torch's."""
+        if not (isinstance(error, RuntimeError)
+                and "unable to allocate shared memory" in str(error)):
             return ExceptionWrapper(where=self.where)
-        return self._shm_error(transport_shm_full_message(str(error), self.slots.ring.total_bytes),
-                               error)
+        return self._shm_error(transport_shm_full_message(str(error)), error)
 
     def _shm_full(self, cause: OSError):
         """A slot's pages could not be reserved: its batch's error (torch's

@@ -1,11 +1,11 @@
 """The C ring through its Cython wrapper: states, checks, and a multi-process
 stress run that verifies every payload."""
 import errno
+import fcntl
 import multiprocessing as mp
 import os
 import pickle
 import random
-import secrets
 import zlib
 
 import numpy as np
@@ -20,13 +20,13 @@ def _our_names():
     return {n for n in os.listdir("/dev/shm") if n.startswith("shmloader")}
 
 
-@pytest.fixture(params=["unnamed", "named"])
+@pytest.fixture(params=["memfd", "tmpfile"])
 def ring(request):
     before = _our_names()
-    if request.param == "unnamed":
-        r = Ring.create_in("/dev/shm", 4, 10000)
+    if request.param == "memfd":
+        r = Ring.create_memfd("shmloader-test", 4, 10000)
     else:
-        r = Ring.create_named(f"/shmloader-test-{secrets.token_hex(8)}", 4, 10000)
+        r = Ring.create_in("/dev/shm", 4, 10000)
     assert _our_names() == before  # no name left behind
     return r
 
@@ -187,31 +187,32 @@ def test_wait_reports_fds_even_with_a_slot_ready(ring):
         os.close(w)
 
 
-def test_create_refuses_existing_name():
-    # Someone (another user, say) already holds the name: creation must fail,
-    # never open their file.
-    name = f"shmloader-test-{secrets.token_hex(8)}"
-    path = os.path.join("/dev/shm", name)
-    with open(path, "wb") as f:
-        f.write(b"attacker")
-    try:
-        with pytest.raises(FileExistsError):
-            Ring.create_named("/" + name, 1, 100)
-        with open(path, "rb") as f:
-            assert f.read() == b"attacker"
-    finally:
-        os.unlink(path)
+def test_a_memfd_rings_size_is_sealed_and_only_its_owner_may_map_it():
+    """No process holding the fd can truncate the ring under the others (a SIGBUS in
+    whoever touches the lost pages), nor grow it; only this user can open it."""
+    ring = Ring.create_memfd("shmloader-test", 2, 4096)
+    fd = ring.fds[0]
+    assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) == \
+        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    for size in (0, ring.total_bytes - 4096, ring.total_bytes + 4096):
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, size)
+    assert os.fstat(fd).st_mode & 0o777 == 0o600
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:shmloader-test")
+    os.fchmod(fd, 0o640)
+    with pytest.raises(PermissionError):
+        Ring.attach(*ring.fds)
 
 
-def test_create_too_large_is_enospc_and_leaves_nothing():
-    name = f"/shmloader-test-{secrets.token_hex(8)}"
+def test_create_too_large_fails_and_leaves_nothing():
+    before = _our_names()
     with pytest.raises(OSError) as e:
-        Ring.create_named(name, 2, 1 << 50)
+        Ring.create_memfd("shmloader-test", 2, 1 << 50)
     assert e.value.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM)
-    assert name[1:] not in os.listdir("/dev/shm")
     with pytest.raises(OSError) as e:
         Ring.create_in("/dev/shm", 2, 1 << 50)
     assert e.value.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM)
+    assert _our_names() == before
 
 
 def test_bad_geometry_rejected():

@@ -3,6 +3,7 @@ reserves its header only (after checking that /dev/shm has room for all of
 it), and a /dev/shm that fills up after that is a clear fallback or error,
 never a SIGBUS."""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -92,7 +93,7 @@ def test_dev_shm_full_after_start_is_each_batch_error_and_loader_goes_on(monkeyp
     monkeypatch.delenv("LD_PRELOAD")
     with deadline(60):  # a failed row's errors once spun forever past a READY slot
         for _ in range(4):
-            with pytest.raises(SharedMemoryError, match=r"could not reserve .*--shm-size"):
+            with pytest.raises(SharedMemoryError, match=r"could not reserve .*memory ran out"):
                 next(it)
     del it
     want = list(tud.DataLoader(Images(24), batch_size=4))
@@ -110,10 +111,9 @@ def _epochs(loader, epochs=2):
 
 
 @pytest.mark.parametrize("fetch", ["batch", "sample"])
-def test_a_default_ring_short_of_room_shrinks_and_every_batch_comes(monkeypatch, fetch):
-    """/dev/shm with room for 7 of the default ring's 8 slots (2 workers, prefetch 2):
-    a ring of 6, leaving one batch's room to torch's transport for the batches beyond
-    it; it says so once, and the batches are torch's."""
+def test_a_default_ring_short_of_memory_shrinks_and_every_batch_comes(monkeypatch, fetch):
+    """Memory (here SHMLOADER_SHM_LIMIT) for 7 of the default ring's 8 slots (2 workers,
+    prefetch 2): a ring of 7; it says so once, and the batches are torch's."""
     from shmloader._resume import STATE_BYTES  # (a slot's room for a worker's state)
 
     monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(7 * _page_rounded(SLOT + STATE_BYTES)))
@@ -124,49 +124,32 @@ def test_a_default_ring_short_of_room_shrinks_and_every_batch_comes(monkeypatch,
         warnings.simplefilter("always")
         assert _epochs(loader) == want
     messages = [str(w.message) for w in caught if "shmloader" in str(w.message)]
-    assert len(messages) == 1 and "its ring has 6 of its 8 slots" in messages[0], messages
-    assert "--shm-size" in messages[0] and "num_slots=" in messages[0]
+    assert len(messages) == 1 and "its ring has 7 of them" in messages[0], messages
+    assert "SHMLOADER_SHM_LIMIT" in messages[0] and "num_slots=" in messages[0]
     stats = loader.stats()
-    assert stats.ring_slots == 6 and stats.slot_batches > 0
+    assert stats.ring_slots == 7 and stats.slot_batches > 0
 
 
-def test_no_room_for_a_ring_beside_the_batches_in_flight_is_torchs_transport(monkeypatch):
-    """Room for fewer slots than the batches in flight, the loop's and the one yielded:
-    no ring (torch's transport, as torch's loader, every epoch), said once."""
-    monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(100_000))
-    kw = dict(batch_size=8, num_workers=2)
-    want = _epochs(tud.DataLoader(Images(64, shape=(3, 32, 32)), **kw), 3)
-    loader = DataLoader(Images(64, shape=(3, 32, 32)), persistent_workers=True, **kw)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert _epochs(loader, 3) == want
-    messages = [str(w.message) for w in caught if "shmloader" in str(w.message)]
-    assert len(messages) == 1 and "too little for a ring" in messages[0], messages
-    stats = loader.stats()
-    assert stats.ring_slots == 0 and stats.slot_batches == 0 and stats.batches == 24
-
-
-@pytest.mark.parametrize("prefetch_next_epoch", [False, True], ids=["plain", "prefetch"])
-def test_a_loader_without_room_for_a_ring_makes_one_once_there_is_room(monkeypatch,
-                                                                        prefetch_next_epoch):
-    monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(100_000))
-    kw = dict(batch_size=8, num_workers=2)
-    want = _epochs(tud.DataLoader(Images(64, shape=(3, 32, 32)), **kw), 3)
-    loader = DataLoader(Images(64, shape=(3, 32, 32)), persistent_workers=True,
-                        prefetch_next_epoch=prefetch_next_epoch, **kw)
+@pytest.mark.parametrize("slot_bytes, limit", [(None, 100_000), (SLOT, 3 * SLOT)],
+                         ids=["learned", "users"])
+def test_memory_short_of_the_batches_in_flight_is_an_error_naming_the_bytes(monkeypatch,
+                                                                            slot_bytes, limit):
+    """Memory for fewer slots than the batches in flight, the loop's and the one yielded:
+    a SharedMemoryError when the ring would be made, naming the bytes needed and the room,
+    and what to change; never a SIGBUS or an OOM kill later."""
+    monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(limit))
+    loader = DataLoader(Images(32), batch_size=4, num_workers=2, slot_bytes=slot_bytes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got = _epochs(loader, 1)
-        assert loader.stats().slot_batches == 0
-        monkeypatch.delenv("SHMLOADER_SHM_LIMIT")  # room now
-        got += _epochs(loader, 2)
-    assert got == want
-    assert loader.stats().slot_batches >= 8  # the last epoch at least, through a ring of 8
-    assert loader.stats().ring_slots == 8
+        with pytest.raises(SharedMemoryError) as e:
+            list(loader)
+    assert re.search(r"needs \d+ bytes of shared memory for its ring \(8 slots x \d+ bytes\) "
+                     r"but SHMLOADER_SHM_LIMIT=\d+ caps a ring", str(e.value)), str(e.value)
+    assert "num_slots" in str(e.value)
 
 
-def test_the_ring_full_warning_still_comes_after_an_epoch_short_of_room(monkeypatch):
-    """The short-of-room warning stands in for the ring-full one only while the ring is
+def test_the_ring_full_warning_still_comes_after_an_epoch_short_of_memory(monkeypatch):
+    """The smaller-ring warning stands in for the ring-full one only while the ring is
     smaller: a later whole ring that the loop fills says so."""
     from shmloader._resume import STATE_BYTES
 
@@ -179,23 +162,9 @@ def test_the_ring_full_warning_still_comes_after_an_epoch_short_of_room(monkeypa
         monkeypatch.delenv("SHMLOADER_SHM_LIMIT")
         kept = list(loader)  # every batch kept: the whole ring fills
     messages = [str(w.message) for w in caught if "shmloader" in str(w.message)]
-    assert len(messages) == 2 and "its ring has 6" in messages[0], messages
+    assert len(messages) == 2 and "its ring has 7" in messages[0], messages
     assert "ring slots are in use" in messages[1]
     assert len(kept) == 16
-
-
-def test_a_users_slot_bytes_short_of_room_gets_torchs_transport(monkeypatch):
-    """slot_bytes given, num_slots left to the loader: room for a few slots but not for
-    the batches in flight is no ring, not an error (the batches are torch's)."""
-    from shmloader._resume import STATE_BYTES
-
-    monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(3 * _page_rounded(SLOT + STATE_BYTES)))
-    kw = dict(batch_size=4, num_workers=2)
-    want = _epochs(tud.DataLoader(Images(32), **kw))
-    loader = DataLoader(Images(32), slot_bytes=SLOT, **kw)
-    with pytest.warns(UserWarning, match="too little for a ring"):
-        assert _epochs(loader) == want
-    assert loader.stats().slot_batches == 0
 
 
 def test_a_ring_of_the_users_slot_size_that_cannot_have_one_slot_is_an_error(monkeypatch):
@@ -203,6 +172,40 @@ def test_a_ring_of_the_users_slot_size_that_cannot_have_one_slot_is_an_error(mon
     with pytest.raises(SharedMemoryError, match="SHMLOADER_SHM_LIMIT"):
         iter(DataLoader(Images(8), batch_size=4, num_workers=2, slot_bytes=SLOT))
 
+
+def test_memory_is_checked_against_the_memory_cgroup(monkeypatch, tmp_path):
+    """The room is the tightest of MemAvailable and each memory cgroup's limit less its
+    usage, read from a cgroup tree like the kernel's (v2 here, v1 in the next test)."""
+    from shmloader import _memory
+
+    group = tmp_path / "kubepods" / "pod1"
+    group.mkdir(parents=True)
+    (tmp_path / "cgroup.controllers").write_text("memory\n")
+    (tmp_path / "kubepods" / "memory.max").write_text("max\n")
+    (tmp_path / "kubepods" / "memory.current").write_text("5000\n")
+    (group / "memory.max").write_text(f"{300 << 20}\n")
+    (group / "memory.current").write_text(f"{100 << 20}\n")
+    monkeypatch.setattr(_memory, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(_memory, "_cgroup_lines", lambda: ["0::/kubepods/pod1"])
+    room, words = _memory.available()
+    assert room == 200 << 20 and str(group) in words and f"{300 << 20}" in words
+    loader = DataLoader(Images(32), batch_size=4, num_workers=2, slot_bytes=64 << 20)
+    with pytest.raises(SharedMemoryError, match=f"the memory cgroup {group} has {200 << 20} "):
+        iter(loader)
+
+
+def test_memory_is_checked_against_a_v1_memory_cgroup(monkeypatch, tmp_path):
+    from shmloader import _memory
+
+    group = tmp_path / "memory" / "docker" / "abc"
+    group.mkdir(parents=True)
+    (group / "memory.limit_in_bytes").write_text(f"{64 << 20}\n")
+    (group / "memory.usage_in_bytes").write_text(f"{60 << 20}\n")
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (tmp_path / "memory" / "memory.usage_in_bytes").write_text("1\n")
+    monkeypatch.setattr(_memory, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(_memory, "_cgroup_lines", lambda: ["4:memory:/docker/abc", "1:cpu:/x"])
+    assert _memory.available()[0] == 4 << 20
 
 
 @pytest.mark.parametrize("limit", ["-5", "abc", "1e6"])
