@@ -1,0 +1,166 @@
+"""Where training runs: a container's small /dev/shm (Docker's and Kubernetes' 64 MB
+default, 1 MB, or a read-only one, as on AWS Lambda).  Each test runs a child process in
+a private mount namespace whose /dev/shm is a real tmpfs of that kind; the ring lives in
+memfd memory, so every batch that goes through it needs no byte of /dev/shm.  The tests
+skip, saying why, where the namespace cannot be made (not root, no unshare)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.procs import alive, wait_until
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What every script starts with: torch's batches to compare against (num_workers=0:
+# torch's own loader needs no shared memory then), and a check that nothing of ours was
+# left in /dev/shm.
+PRELUDE = """
+import os, sys
+import torch
+from torch.utils.data import DataLoader as TorchLoader
+from shmloader import DataLoader
+from tests.datasets_lifecycle import Images
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+def done(ok, loader):
+    stats = loader.stats()
+    assert "memfd" in stats.ring_memory, stats.ring_memory
+    assert os.listdir("/dev/shm") == [], os.listdir("/dev/shm")
+    print("ok" if ok else "differs", stats.slot_batches, stats.batches, flush=True)
+"""
+
+
+def run_with_dev_shm(mount_options: str, script: str, timeout: float = 600):
+    """`python -c PRELUDE + script` from the repository's root, in a private mount
+    namespace whose /dev/shm is a tmpfs mounted with `mount_options`."""
+    probe = subprocess.run(["unshare", "-m", "sh", "-c",
+                            f"mount -t tmpfs -o {mount_options} tmpfs /dev/shm"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"needs `unshare -m` and mount (root) for a private /dev/shm "
+                    f"({probe.stderr.decode().strip()})")
+    command = (f"mount -t tmpfs -o {mount_options} tmpfs /dev/shm && "
+               f"exec {sys.executable} -c \"$0\"")
+    return subprocess.run(["unshare", "-m", "sh", "-c", command, PRELUDE + script],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _output(done):
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()
+
+
+SHM_KINDS = {"1m": "size=1m", "read-only": "ro,size=1m"}
+LARGE = 3 * 224 * 224  # bytes of one uint8 image
+
+
+@pytest.mark.parametrize("shm", SHM_KINDS)
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_ring_batches_need_no_dev_shm(shm, context):
+    """slot_bytes given: every batch, from the first, goes through the ring, so a 1 MB or
+    read-only /dev/shm changes nothing (torch's loader with workers fails in both)."""
+    script = f"""
+if __name__ == "__main__":
+    data = Images(48, shape=(3, 224, 224))
+    loader = DataLoader(data, batch_size=16, num_workers=2, slot_bytes=16 * {LARGE} + 65536,
+                        persistent_workers=True, multiprocessing_context="{context}")
+    want = list(TorchLoader(data, batch_size=16))
+    ok = all(same([b.clone() for b in loader], want) for epoch in range(2))
+    done(ok, loader)
+"""
+    assert _output(run_with_dev_shm(SHM_KINDS[shm], script)) == ["ok", "6", "6"]
+
+
+@pytest.mark.parametrize("shm", SHM_KINDS)
+def test_sample_mode_resume_and_pinning_need_no_dev_shm(shm):
+    """fetch="sample" sizes its ring from a probe, not from batches sent by torch's
+    transport; a resumed loader and pin_memory=True (on the CPU: torch's own pinning) go
+    through the ring alike."""
+    script = """
+import warnings
+warnings.simplefilter("ignore")
+data = Images(40, shape=(3, 64, 64))
+want = list(TorchLoader(data, batch_size=4))
+sample = DataLoader(data, batch_size=4, num_workers=2, fetch="sample")
+assert same([b.clone() for b in sample], want), "fetch=sample"
+first = DataLoader(data, batch_size=4, num_workers=2, slot_bytes=1 << 20)
+it = iter(first)
+[next(it) for _ in range(3)]
+resumed = DataLoader(data, batch_size=4, num_workers=2, slot_bytes=1 << 20, pin_memory=True)
+resumed.load_state_dict(first.state_dict())
+del it
+ok = same([b.clone() for b in resumed], want[3:])
+done(ok, resumed)
+"""
+    assert _output(run_with_dev_shm(SHM_KINDS[shm], script)) == ["ok", "7", "7"]
+
+
+def test_held_batches_beyond_the_ring_with_a_64_mb_dev_shm():
+    """Docker's default: 9.6 MB batches with the defaults (the ring sized from the first
+    batches, which torch's transport carries), three epochs of a persistent loader, and
+    every batch of the last epoch kept: the slots fill, the rest come whole."""
+    script = """
+import warnings
+warnings.simplefilter("ignore")
+data = Images(320, shape=(3, 224, 224))
+want = list(TorchLoader(data, batch_size=64))
+loader = DataLoader(data, batch_size=64, num_workers=2, persistent_workers=True)
+ok = all(same([b.clone() for b in loader], want) for epoch in range(2))
+kept = list(loader)
+done(ok and same(kept, want), loader)
+"""
+    out = _output(run_with_dev_shm("size=64m", script))
+    assert out[0] == "ok" and int(out[1]) > 0 and out[2] == "15", out
+
+
+KILLED_SCRIPT = f"""
+if __name__ == "__main__":
+    import time
+    loader = DataLoader(Images(10_000, shape=(3, 224, 224)), batch_size=16, num_workers=2,
+                        slot_bytes=16 * {LARGE} + 65536, persistent_workers=True)
+    it = iter(loader)
+    next(it)
+    print(" ".join(str(p) for p in loader._iterator._pool.pids), flush=True)
+    time.sleep(600)
+"""
+
+
+def _memfd_holders(pids):
+    """Of `pids`, those holding an fd of a shmloader memfd."""
+    holders = []
+    for pid in pids:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if any(link.startswith("/memfd:shmloader") for link in links):
+            holders.append(pid)
+    return holders
+
+
+def test_nothing_is_left_after_the_main_process_is_killed():
+    """SIGKILL of the training process in a 1 MB /dev/shm: its workers exit, and no process
+    keeps the ring's memfd alive (its memory goes with the last fd)."""
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("needs `unshare -m` (root) for a private /dev/shm")
+    command = f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} -c \"$0\""
+    child = subprocess.Popen(["unshare", "-m", "sh", "-c", command, PRELUDE + KILLED_SCRIPT],
+                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(p) for p in child.stdout.readline().split()]
+        assert len(workers) == 2 and _memfd_holders(workers) == workers
+        assert _memfd_holders([child.pid]) == [child.pid]
+        child.send_signal(signal.SIGKILL)
+        child.wait(60)
+        wait_until(lambda: not any(alive(p) for p in workers), 60, "the workers exited")
+        assert _memfd_holders([int(p) for p in os.listdir("/proc") if p.isdigit()]) == []
+    finally:
+        child.kill()
+        child.wait()
