@@ -21,6 +21,19 @@ def wait_gone(pids, limit: float):
     return sorted(p for p in pids if alive(p)), round(time.monotonic() - start, 3)
 
 
+def wait_until(predicate, limit: float, what: str):
+    """Poll `predicate` until it returns something true (returned), for up to `limit` s,
+    else fail naming `what`: for a state other processes reach in their own time (a
+    quiet point: workers done prefetching, a process gone).  Limits are generous, for a
+    loaded 2-core machine, and still fail a real hang."""
+    start = time.monotonic()
+    while not (value := predicate()):
+        if time.monotonic() - start > limit:
+            raise AssertionError(f"not within {limit} s: {what}")
+        time.sleep(0.01)
+    return value
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -27,6 +27,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tests import datasets as D
+from tests.procs import wait_until
 from shmloader import DataLoader as ShmDataLoader
 
 TorchDataLoader = tud.DataLoader
@@ -821,6 +822,11 @@ def test_shallow_copy_of_a_persistent_loader_counts_and_resumes_its_own_epochs()
     [next(it_b) for _ in range(3)]
     assert (a.stats().batches, b.stats().batches) == (10, 13)
     # The workers are the two loaders' own alike: their work is counted once in each.
+    # Compared at a quiet point: the workers still prefetch the copy's next batches (the
+    # window of prefetch_factor * num_workers = 4 beyond the 3 taken: 7 of this epoch's
+    # 10, 28 samples, beside the first epoch's 40) while the counters are read.
+    wait_until(lambda: sum(w.samples for w in b.stats().workers) == 40 + 28, 120,
+               "the copy's prefetch window filled")
     assert a.stats().workers == b.stats().workers
     resumed = ShmDataLoader(D.TensorMap(40), batch_size=4, num_workers=2)
     resumed.load_state_dict(b.state_dict())
