@@ -5,6 +5,7 @@ import pytest
 from hypothesis import settings
 
 from shmloader import _layout
+from tests.procs import HANG_TIMEOUT_S, rearm_hang_guard
 
 # The property tests draw the same examples on every run unless asked not to, so that a
 # red CI run is the code's doing and reproducible, not the draw's.  A longer, random
@@ -14,13 +15,12 @@ settings.register_profile("fixed", derandomize=True)
 settings.register_profile("random", derandomize=False)
 settings.load_profile("random" if os.environ.get("SHMLOADER_HYPOTHESIS_RANDOM") else "fixed")
 
-# A loader that deadlocks must fail the run, not hang it: dump every thread's stack and exit.
-HANG_TIMEOUT_S = float(os.environ.get("SHMLOADER_TEST_HANG_TIMEOUT", "240"))
 
-
+# A loader that deadlocks must fail the run, not hang it: dump every thread's stack and exit
+# (after HANG_TIMEOUT_S, tests/procs.py; a long test re-arms it as it makes progress).
 @pytest.fixture(autouse=True)
 def _hang_guard():
-    faulthandler.dump_traceback_later(HANG_TIMEOUT_S, exit=True)
+    rearm_hang_guard(HANG_TIMEOUT_S)
     yield
     faulthandler.cancel_dump_traceback_later()
 

@@ -1,7 +1,19 @@
 """What the failure and churn tests look at, read from /proc and /dev/shm."""
+import faulthandler
 import os
 import signal
 import time
+
+# A loader that deadlocks must fail the run, not hang it: conftest's guard dumps every
+# thread's stack and exits after this long in one test (see rearm_hang_guard).
+HANG_TIMEOUT_S = float(os.environ.get("SHMLOADER_TEST_HANG_TIMEOUT", "240"))
+
+
+def rearm_hang_guard(seconds: float = HANG_TIMEOUT_S) -> None:
+    """Restart conftest's hang guard: `seconds` from now.  A long test calls it as it makes
+    progress (each sample of a churn run, each hypothesis example), so that the guard bounds
+    a stall, not the whole test's time on a loaded machine."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
 
 
 def alive(pid: int) -> bool:

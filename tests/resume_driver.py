@@ -24,6 +24,10 @@ checkpoints at e{E}k{K} restarts at epoch E (its rest first); at end{E}, at epoc
 A batch is recorded as plain python (tensors as lists), so equality is exact.  Every
 sample carries `index` plus draws from random, numpy and torch's global RNGs made in
 __getitem__ / __iter__ (the "augmentations").
+
+A hang dumps the stacks and exits: no scenario (its runs, or all its resumes) may take
+longer than RESUME_DRIVER_TIMEOUT seconds (default 120), a bound on a stall rather than on
+the whole run, which takes minutes on a loaded machine.
 """
 import faulthandler
 import glob
@@ -368,9 +372,16 @@ def training_loop(scen, loader, first_epoch, at_point=None):
     return epochs
 
 
+def _watchdog():
+    """Dump the stacks and exit unless the next scenario ends within the time allowed."""
+    faulthandler.dump_traceback_later(float(os.environ.get("RESUME_DRIVER_TIMEOUT", "120")),
+                                      exit=True)
+
+
 def run_full(out, names):
     results = {}
     for name in names:
+        _watchdog()
         scen = SCENARIOS[name]
         try:
             seed_all()
@@ -415,6 +426,7 @@ def run_interrupt(out, name, point):
 def run_resume(out, names):
     results = {}
     for name in names:
+        _watchdog()
         scen = SCENARIOS[name]
         results[name] = {}
         for path in sorted(glob.glob(os.path.join(out, f"{name}__*.pt"))):
@@ -441,8 +453,7 @@ def run_resume(out, names):
 
 
 def main(argv):
-    faulthandler.dump_traceback_later(float(os.environ.get("RESUME_DRIVER_TIMEOUT", "150")),
-                                      exit=True)
+    _watchdog()
     mode, out = argv[0], argv[1]
     if mode == "full":
         run_full(out, argv[2].split(","))

@@ -27,7 +27,7 @@ import pytest
 
 from shmloader import DataLoader
 from tests.datasets_lifecycle import Images
-from tests.procs import our_segments, own_children
+from tests.procs import our_segments, own_children, rearm_hang_guard, wait_gone
 
 # Slots coming back while a batch is held is part of what is watched: small leaves stay
 # views.
@@ -56,10 +56,8 @@ def _shm_maps():
 def _snapshot(children_baseline=None):
     gc.collect()
     if children_baseline is not None:
-        # Shutdown joins its workers; allow a moment for anything slower.
-        deadline = time.monotonic() + 2.0
-        while len(own_children()) > len(children_baseline) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # Shutdown joins its workers; allow anything slower the time a loaded machine takes.
+        wait_gone(set(own_children()) - set(children_baseline), 60.0)
     return {"fds": _fds(), "children": own_children(), "segments": our_segments(),
             "shm_maps": _shm_maps(), "rss": _rss()}
 
@@ -74,6 +72,7 @@ class _Watch:
         self.started = time.monotonic()
 
     def sample(self, step):
+        rearm_hang_guard()  # the guard bounds each stretch between samples, not the whole run
         snap = _snapshot(self.base["children"])
         snap["step"] = step
         self.samples.append(snap)
@@ -172,9 +171,7 @@ def test_many_epochs_of_persistent_workers():
     stats = loader.stats()
     del loader, _
     gc.collect()
-    deadline = time.monotonic() + 5.0
-    while own_children() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_gone(own_children(), 60.0)
     assert own_children() == [], "workers left after the loader was deleted"
     assert stats.ring_full_batches == 0, (
         f"{stats.ring_full_batches} batches found the ring full although the loop held at "

@@ -88,7 +88,8 @@ def _rank_main(rank, port, out_dir):
     """Entry point of one rank (a fresh interpreter started by _launch_ranks)."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    # (A bound on waiting for the other rank, which starts as slowly as this one: generous.)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
     result = {
         "torch": _rank_loader_run(TorchDataLoader, rank),
         "shm": _rank_loader_run(ShmDataLoader, rank),

@@ -20,13 +20,17 @@ import torch
 import torch.utils.data as tud
 
 from shmloader import DataLoader, WorkerDied
+from shmloader._ring import CLAIMED
 from tests.datasets_lifecycle import Dying, Failing, Images, Sleepy
-from tests.procs import describe_stuck, open_fds, our_segments, own_children, wait_gone
+from tests.procs import (describe_stuck, open_fds, our_segments, own_children,
+                         rearm_hang_guard, wait_gone, wait_until)
 
 # Slots held by batches are what these tests are about: small leaves stay views.
 pytestmark = pytest.mark.usefixtures("views_only")
 
-HANG = 60  # seconds after which a test counts as hung
+# Seconds after which a wait counts as hung (a bound on hangs, generous: a subprocess
+# importing torch takes tens of seconds on a loaded 2-core machine).
+HANG = 120
 
 
 @pytest.mark.parametrize("how", ["delete", "break", "exhaust", "exception"])
@@ -54,7 +58,7 @@ def test_workers_gone_and_nothing_left(how):
             consume()
         del it, info  # the traceback holds consume's frame and its batch
     gc.collect()
-    assert wait_gone(pids, 15)[0] == []
+    assert wait_gone(pids, HANG)[0] == []
     assert our_segments() == []
     del loader  # it keeps its ring (two fds) for its next iterator
     gc.collect()
@@ -68,7 +72,7 @@ def test_persistent_workers_gone_when_loader_deleted():
     pids = loader._iterator._pool.pids
     del loader
     gc.collect()
-    assert wait_gone(pids, 15)[0] == []
+    assert wait_gone(pids, HANG)[0] == []
     assert our_segments() == []
 
 
@@ -138,7 +142,7 @@ def _in_forked_child(work):
 
     def result():
         with os.fdopen(read, "rb") as answer:
-            if not select.select([answer], [], [], 2 * HANG)[0]:
+            if not select.select([answer], [], [], HANG)[0]:
                 os.kill(pid, signal.SIGKILL)
             data = answer.read()
         os.waitpid(pid, 0)
@@ -164,7 +168,9 @@ def test_forked_child_dropping_its_loader_leaves_the_parents_batches():
     os.close(go_read)
     it = iter(loader)
     got = [next(it).tolist()]
-    time.sleep(0.5)  # the prefetched batches wait in the ring
+    ring = it._ring  # the batches in flight are published (no slot left CLAIMED): they wait
+    wait_until(lambda: CLAIMED not in map(ring.slot_state, range(ring.nslots)), HANG,
+               "the batches in flight published")
     os.write(go_write, b"x")
     os.waitpid(pid, 0)
     got += [batch.tolist() for batch in it]
@@ -260,7 +266,8 @@ def test_fork_while_a_thread_writes_a_held_batch_loses_no_write():
         writer = threading.Thread(target=add_ones)
         writer.start()
         started.wait()
-        time.sleep(0.005)  # well into the writes
+        while writer.is_alive() and batch[0, 0] == 0:  # into the writes: the first has begun
+            time.sleep(0)
         pid = os.fork()
         if pid == 0:
             os._exit(0)
@@ -378,7 +385,7 @@ def test_a_finished_non_persistent_iterator_kept_has_no_workers():
     workers = set(own_children()) - children
     assert len(workers) == 2
     assert len(list(it)) == 4
-    assert wait_gone(list(workers), 15)[0] == [], describe_stuck(workers)
+    assert wait_gone(list(workers), HANG)[0] == [], describe_stuck(workers)
     del it
 
 
@@ -441,7 +448,8 @@ def test_worker_death_then_new_epoch_works():
 
 
 def test_timeout_raises_like_torch():
-    loader = DataLoader(Sleepy(8, seconds=3), batch_size=2, num_workers=2, timeout=0.3)
+    # No batch ever comes within the timeout (the shutdown terminates the sleeping workers).
+    loader = DataLoader(Sleepy(8, seconds=600), batch_size=2, num_workers=2, timeout=0.3)
     with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0.3 seconds"):
         next(iter(loader))
 
@@ -531,7 +539,7 @@ def test_main_process_killed_workers_exit(context, signum):
         worker_dirs = proc.stdout.readline().split()
         os.kill(proc.pid, signum)
         proc.wait(HANG)
-    left = wait_gone(pids, 15)[0]
+    left = wait_gone(pids, HANG)[0]
     assert left == [], describe_stuck(left)
     assert our_segments() == []
     if signum != signal.SIGINT:  # SIGINT: the main process exits, and multiprocessing's exit
@@ -613,13 +621,17 @@ def test_a_worker_that_cannot_map_the_ring_names_the_address_space_limit():
 
 
 WATCHED_SCRIPT = textwrap.dedent("""
-    import os, resource
+    import os, resource, sys
     from shmloader import DataLoader
     from tests.datasets_lifecycle import Sleepy
+    class Busy(Sleepy):
+        def __getitem__(self, i):
+            print("busy", file=sys.stderr, flush=True)  # (in the worker, its watchdog started)
+            return super().__getitem__(i)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     files = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
-    it = iter(DataLoader(Sleepy(8, seconds=120), batch_size=2, num_workers=2))
+    it = iter(DataLoader(Busy(8, seconds=120), batch_size=2, num_workers=2))
     print(" ".join(map(str, it._pool.pids)), flush=True)
     next(it)
 """)
@@ -632,10 +644,14 @@ def test_workers_leave_a_main_process_with_many_files_open_when_it_dies():
     if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1200:
         pytest.skip("needs a hard RLIMIT_NOFILE of 1200 or more")
     with main_process(WATCHED_SCRIPT) as (proc, pids):
-        time.sleep(1)  # the workers are in __getitem__ (the watchdog thread has started)
+        busy = 0
+        while busy < len(pids):  # every worker is in __getitem__
+            line = proc.stderr.readline()
+            assert line, "the script ended before its workers were busy"
+            busy += line.strip() == "busy"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(HANG)
-    left = wait_gone(pids, 15)[0]
+    left = wait_gone(pids, HANG)[0]
     assert left == [], describe_stuck(left)
     assert "Traceback" not in proc.stderr.read()
 
@@ -681,7 +697,7 @@ def test_unpicklable_dataset_is_clear_error_and_leaves_nothing(context):
     assert "cannot be pickled" in message and f"multiprocessing_context={context!r}" in message
     assert "multiprocessing_context='fork'" in message
     gc.collect()
-    assert wait_gone(list(set(own_children()) - children), 15)[0] == []
+    assert wait_gone(list(set(own_children()) - children), HANG)[0] == []
 
 
 INTERRUPTED_SHUTDOWN_SCRIPT = textwrap.dedent("""
@@ -691,24 +707,28 @@ INTERRUPTED_SHUTDOWN_SCRIPT = textwrap.dedent("""
     from tests.procs import open_fds, own_children, wait_gone
 
     class SlowAfterFirstBatch(torch.utils.data.Dataset):
+        def __init__(self, busy):
+            self.busy = busy  # a pipe's write end, which the forked workers inherit
         def __len__(self):
             return 32
         def __getitem__(self, i):
             if i >= 4:
+                os.write(self.busy, b"x")
                 time.sleep(3)  # the shutdown waits for the worker to finish it
             return i
 
+    busy_read, busy_write = os.pipe()
     fds = open_fds()
-    loader = lib.DataLoader(SlowAfterFirstBatch(), batch_size=4, num_workers=2)
+    loader = lib.DataLoader(SlowAfterFirstBatch(busy_write), batch_size=4, num_workers=2)
     it = iter(loader)
     next(it)
-    time.sleep(0.2)
+    os.read(busy_read, 1)  # a worker is in a slow sample (else its tasks are skipped at once)
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C
     try:
         it._shutdown_workers()  # what the end of an epoch, `del it` or a break runs
     except KeyboardInterrupt:
         print("interrupted", flush=True)
-    left, _ = wait_gone(own_children(), 2.0)
+    left, _ = wait_gone(own_children(), 60.0)
     del it, loader
     print("workers left", len(left), "fds", open_fds() - fds, flush=True)
 """)
@@ -764,6 +784,7 @@ def test_a_background_thread_iterating_at_exit_leaves_multiprocessing_its_exit()
     made that handler fail: "process object is closed"), as torch's does not."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for _ in range(4):
+        rearm_hang_guard()  # (a bound on each run: four take minutes on a loaded machine)
         done = subprocess.run([sys.executable, "-c", BACKGROUND_THREAD_AT_EXIT_SCRIPT],
                               cwd=root, capture_output=True, text=True, timeout=HANG)
         assert done.returncode == 0
@@ -771,7 +792,7 @@ def test_a_background_thread_iterating_at_exit_leaves_multiprocessing_its_exit()
 
 
 TRAINING_THREAD_OUTLIVING_MAIN_SCRIPT = textwrap.dedent("""
-    import threading, time
+    import threading
     import torch
     import shmloader
     from tests.procs import own_children
@@ -779,7 +800,7 @@ TRAINING_THREAD_OUTLIVING_MAIN_SCRIPT = textwrap.dedent("""
     loader = shmloader.DataLoader([torch.zeros(4)] * 64, batch_size=4, num_workers=2)
 
     def train():
-        time.sleep(0.3)  # the main thread has returned by now
+        threading.main_thread().join()  # the main thread has returned
         for _ in range(3):
             batches = sum(1 for _ in loader)
             print(batches, len(own_children()), flush=True)
@@ -836,4 +857,4 @@ def test_an_interrupted_next_ends_its_iterator_instead_of_losing_a_batch(persist
     assert got == [[i, i + 1] for i in range(0, 2 * len(got), 2)]
     assert [b.tolist() for b in loader] == [[i, i + 1] for i in range(0, 20, 2)]
     del loader
-    assert wait_gone(own_children(), 15)[0] == []
+    assert wait_gone(own_children(), HANG)[0] == []

@@ -45,6 +45,7 @@ from shmloader import _layout
 from shmloader._arena import Arena
 from shmloader._ring import Ring
 from tests import datasets as D
+from tests.procs import rearm_hang_guard
 
 # Module-level so that batches pickle (torch's transport, spawn) by reference.
 NT1 = collections.namedtuple("NT1", ["a"])
@@ -276,6 +277,7 @@ SLOT_CHOICES = [1 << 20, 1 << 20, None, 4096]
 
 
 def _both(spec, seed, n, batch_size, num_workers, collate_fn, slot_bytes):
+    rearm_hang_guard()  # per example: 100 of them take minutes on a loaded machine
     ds = SpecMap(spec, seed, n)
     kw = {"batch_size": batch_size, "num_workers": num_workers, "collate_fn": collate_fn,
           "multiprocessing_context": "fork"}
@@ -649,6 +651,7 @@ def _decode_in_child(metas, lease, quiet=False):
 @given(spec=spec_strategy(collatable=False), seed=st.integers(0, 2**32 - 1),
        cases=st.lists(_CASE, min_size=1, max_size=12), data=st.data())
 def test_decoder_survives_corrupt_metadata(fuzz_ring, spec, seed, cases, data):
+    rearm_hang_guard()  # per example (a longer hunt needs no longer guard)
     # Two samples of the drawn structure, and always a tensor and an array to corrupt.
     batch = {"samples": [build(spec, seed, i) for i in range(2)],
              "t": build(("tensor", "float32", (2, 3), "contig", False), seed, 2),

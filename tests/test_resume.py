@@ -75,9 +75,12 @@ import pytest
 import torch
 
 from tests import resume_driver as D
+from tests.procs import rearm_hang_guard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRIVER_TIMEOUT_S = 200
+# A backstop only: the driver's own watchdog ends it when one scenario stalls (see
+# resume_driver.py); the whole matrix takes minutes on a loaded 2-core machine.
+DRIVER_TIMEOUT_S = 1800
 SCENARIOS = list(D.SCENARIOS)
 REPLAY = [s for s in SCENARIOS if s.startswith("iterable_replay")]
 
@@ -285,6 +288,7 @@ def test_interrupted_processes(matrix, tmp_path):
         _, err = proc.communicate(timeout=DRIVER_TIMEOUT_S)
         assert proc.returncode == 0, f"{name} {point}: {err[-3000:]}"
         assert (tmp_path / f"{name}__{point}.pt").exists()
+    rearm_hang_guard()  # the hang guard bounds each phase, not both together
     resume = drive("resume", tmp_path, ",".join(sorted({n for n, _ in INTERRUPTS})))
     assert resume.returncode == 0, resume.stderr[-4000:]
     resumed = _load(tmp_path / "resume.pkl")
@@ -351,13 +355,18 @@ def test_state_is_plain_and_loads_with_weights_only(name):
 
 class _SlowWorker(torch.utils.data.IterableDataset):
     """Worker w yields w * 100 + i (i < 6), worker `slow` late: no state_dict, so a resume
-    replays; under in_order=False the slow worker's batches arrive last."""
+    replays; under in_order=False the slow worker's batches arrive last.  With `gate` (a
+    path), the slow worker starts only once that file exists: until then every batch that
+    arrives is the other worker's, however loaded the machine."""
 
-    def __init__(self, slow):
+    def __init__(self, slow, gate=None):
         self.slow = slow
+        self.gate = gate
 
     def __iter__(self):
         worker = torch.utils.data.get_worker_info().id
+        while worker == self.slow and self.gate is not None and not os.path.exists(self.gate):
+            time.sleep(0.01)
         for i in range(6):
             if worker == self.slow:
                 time.sleep(0.05)
@@ -365,37 +374,44 @@ class _SlowWorker(torch.utils.data.IterableDataset):
 
 
 @pytest.mark.filterwarnings("ignore:shmloader. resuming")
-def test_replay_drops_the_batches_yielded_with_in_order_false():
+def test_replay_drops_the_batches_yielded_with_in_order_false(tmp_path):
     """The batches a replay drops are each worker's first, as many as the interrupted run
     yielded of its (worker 0's first two here), not the first to arrive again (worker 0's
     are now late), nor those at the same positions (which depend on timing)."""
     import shmloader
 
     kw = dict(batch_size=2, num_workers=2, in_order=False)
-    loader = shmloader.DataLoader(_SlowWorker(slow=1), **kw)
+    gate = tmp_path / "worker 1 may start"
+    loader = shmloader.DataLoader(_SlowWorker(slow=1, gate=str(gate)), **kw)
     it = iter(loader)
     got = [x for _ in range(2) for x in next(it).tolist()]
     assert got == [0, 1, 2, 3]  # worker 0's batches came first
     state = roundtrip(loader.state_dict())
+    gate.touch()  # (the shutdown need not wait for a worker held back)
     del it, loader
-    resumed = shmloader.DataLoader(_SlowWorker(slow=0), **kw)
+    gate = tmp_path / "worker 0 may start"
+    resumed = shmloader.DataLoader(_SlowWorker(slow=0, gate=str(gate)), **kw)
     resumed.load_state_dict(state)
-    got += [x for batch in resumed for x in batch.tolist()]
+    for batch in resumed:  # worker 1's first batch comes first; then worker 0 may start
+        got += batch.tolist()
+        gate.touch()
     assert sorted(got) == sorted(w * 100 + i for w in range(2) for i in range(6))
 
 
 @pytest.mark.filterwarnings("ignore:shmloader. resuming")
-def test_replay_drops_a_workers_batches_that_arrived_out_of_its_order():
+def test_replay_drops_a_workers_batches_that_arrived_out_of_its_order(tmp_path):
     """Under in_order=False a worker's later batch can arrive before an earlier one (a slot
     overtaking a pipe message): the state names the batches each worker yielded by their
     task numbers, and the replay drops exactly those (here worker 0's tasks 0 and 2)."""
     import shmloader
 
     kw = dict(batch_size=2, num_workers=2, in_order=False)
-    loader = shmloader.DataLoader(_SlowWorker(slow=1), **kw)
+    gate = tmp_path / "worker 1 may start"
+    loader = shmloader.DataLoader(_SlowWorker(slow=1, gate=str(gate)), **kw)
     it = iter(loader)
     next(it)
     state = roundtrip(loader.state_dict())
+    gate.touch()  # (the shutdown need not wait for a worker held back)
     del it, loader
     assert state["batches_yielded_by_worker"] == [[1, []], [0, []]]
     state["batches_yielded_by_worker"] = [[1, [2]], [0, []]]  # as if [4, 5] overtook [2, 3]
@@ -1051,24 +1067,39 @@ def test_load_into_a_used_persistent_loader(matrix):
     assert check_resumed(D.SCENARIOS[name], ref, ref, point, got) is None
 
 
-class _FirstSampleSlow(torch.utils.data.Dataset):
+class _FirstSampleLast(torch.utils.data.Dataset):
+    """Sample 0 (worker 0's first task of an epoch) is fetched only once sample 7 (worker
+    1's fourth, the last of the 8 tasks in flight) has been, in the same epoch: worker 1's
+    batches 1, 3 and 5 arrive first and wait their turn.  `fetched_7`: a file that gets a
+    byte each time sample 7 is fetched (the worker's count of sample 0s is its epoch)."""
+
+    def __init__(self, fetched_7):
+        self.fetched_7 = fetched_7
+        self.zeros = 0
+
     def __len__(self):
         return 24
 
     def __getitem__(self, i):
+        if i == 7:
+            with open(self.fetched_7, "ab") as f:
+                f.write(b"x")
         if i == 0:
-            time.sleep(1.0)  # worker 1's batches arrive first and wait their turn
+            self.zeros += 1
+            while not (os.path.exists(self.fetched_7)
+                       and os.path.getsize(self.fetched_7) >= self.zeros):
+                time.sleep(0.01)
         return torch.tensor([float(i)])
 
 
-def test_load_into_a_used_persistent_loader_frees_the_batches_waiting_their_turn():
+def test_load_into_a_used_persistent_loader_frees_the_batches_waiting_their_turn(tmp_path):
     """Batches that arrived before their turn belong to the live iterator that
     load_state_dict() lets go: they hold none of the next epoch's slots, so it yields every
     batch through the ring, with no ring-full warning, even while that iterator is referenced."""
     import shmloader
 
-    loader = shmloader.DataLoader(_FirstSampleSlow(), batch_size=1, num_workers=2,
-                                  prefetch_factor=4, persistent_workers=True)
+    loader = shmloader.DataLoader(_FirstSampleLast(str(tmp_path / "fetched_7")), batch_size=1,
+                                  num_workers=2, prefetch_factor=4, persistent_workers=True)
     state = roundtrip(loader.state_dict())
     expected = [b.tolist() for b in loader]  # (the ring is sized by this epoch's first batch)
     it = iter(loader)

@@ -41,8 +41,10 @@ TorchDataLoader = tud.DataLoader
 P = functools.partial
 ASSIGNMENTS = ["interleaved", "dynamic"]
 # A worker's death must show within this long, else the test fails as hung (a hang bound, not a
-# speed check: DESIGN.md asks for about a second; the kill matrix bounds it by 10 s alike).
-HANG_S = 20.0
+# speed check: DESIGN.md asks for about a second).  Generous: the bounded span includes
+# starting the workers and fetching batches, on a loaded 2-core machine too; processes
+# that should be gone are polled for as long.
+HANG_S = 60.0
 
 
 def sample_loader(assignment, **extra):
@@ -538,7 +540,8 @@ def test_invalid_combination_is_value_error_at_construction(name):
         ShmDataLoader(make_dataset(), **kw)
     message = str(info.value)
     assert "fetch" in message or "assignment" in message, message
-    assert own_children() == children, "a rejected loader must not start workers"
+    # (New ones only: a child of an earlier test may end meanwhile.)
+    assert set(own_children()) <= set(children), "a rejected loader must not start workers"
 
 
 def test_slot_bytes_too_small_is_clear_value_error():
@@ -556,7 +559,7 @@ def test_slot_bytes_too_small_is_clear_value_error():
     needed = max(int(n) for n in re.findall(r"\d+", message))
     assert needed > 64 * 4, f"no plausible size needed in: {message}"
     gc.collect()
-    assert wait_gone(set(own_children()) - set(children), 15)[0] == []
+    assert wait_gone(set(own_children()) - set(children), HANG_S)[0] == []
     assert our_segments() == []
     t = run(TorchDataLoader, P(D.NumericMap, 10), batch_size=4, num_workers=2)
     s = run(P(ShmDataLoader, slot_bytes=needed, fetch="sample"), P(D.NumericMap, 10),
@@ -586,14 +589,14 @@ def test_worker_sigkilled_raises_promptly_and_leaves_nothing(at, assignment):
     forget(info.value)
     del info
     gc.collect()
-    assert wait_gone(set(own_children()) - children, 15)[0] == []
+    assert wait_gone(set(own_children()) - children, HANG_S)[0] == []
     assert our_segments() == []
     loader.dataset.at = -1
     got = list(loader)
     assert torch.cat(got).tolist() == list(range(64))
     del loader, got
     gc.collect()
-    assert wait_gone(set(own_children()) - children, 15)[0] == []
+    assert wait_gone(set(own_children()) - children, HANG_S)[0] == []
 
 
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
@@ -610,7 +613,7 @@ def test_worker_killed_from_outside_mid_epoch(assignment):
             pass
     del it
     gc.collect()
-    assert wait_gone(pids, 15)[0] == []
+    assert wait_gone(pids, HANG_S)[0] == []
     assert our_segments() == []
 
 

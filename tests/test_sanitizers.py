@@ -27,10 +27,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import rearm_hang_guard
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "tests" / "c" / "ring_stress.c", ROOT / "csrc" / "shmring.c"]
 CC = os.environ.get("CC", "gcc")
-TIMEOUT_S = 120
+# A bound on a hang of a whole ring_stress run (its own checks catch a stall within
+# minutes): the ThreadSanitizer build takes ~30 s alone, 10-20 times that on a loaded machine.
+TIMEOUT_S = 900
 COMMON = ["-std=c11", "-Wall", "-Wextra", "-I", str(ROOT / "csrc"), "-pthread"]
 
 BUILDS = {
@@ -136,6 +140,7 @@ def test_ring_stress(build_dir, name):
                          check=False, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, f"building ring_stress ({name}) failed:\n{res.stderr}"
 
+    rearm_hang_guard(TIMEOUT_S + 60)  # the run's own bound decides, with its output
     start = time.monotonic()
     rc, out = _run([str(exe), *build["args"]], TIMEOUT_S)
     elapsed = time.monotonic() - start

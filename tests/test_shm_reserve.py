@@ -59,7 +59,7 @@ def test_loader_reserves_the_rest_of_its_ring_after_its_first_batches():
     it = iter(loader)
     assert _reserved_bytes(it._ring) <= 3 * SLOT
     assert [next(it)[0, 0, 0, 0].item() for _ in range(2)] == [0, 4]
-    with deadline(30):
+    with deadline(120):  # (a background thread's work: a bound on a hang)
         while _reserved_bytes(it._ring) < 24 * SLOT:
             time.sleep(0.01)
     assert [b[0, 0, 0, 0].item() for b in it] == list(range(8, 64, 4))
@@ -91,7 +91,9 @@ def test_dev_shm_full_after_start_is_each_batch_error_and_loader_goes_on(monkeyp
     monkeypatch.setenv("LD_PRELOAD", no_room_preload)
     it = iter(loader)  # spawns the workers with it
     monkeypatch.delenv("LD_PRELOAD")
-    with deadline(60):  # a failed row's errors once spun forever past a READY slot
+    # A failed row's errors once spun forever past a READY slot.  (The bound includes the
+    # spawned workers' start, which imports torch: long on a loaded machine.)
+    with deadline(120):
         for _ in range(4):
             with pytest.raises(SharedMemoryError, match=r"could not reserve .*memory ran out"):
                 next(it)

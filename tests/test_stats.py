@@ -2,6 +2,7 @@
 times are only checked to be consistent (non-negative, wait <= wall, fraction in [0, 1])."""
 import functools
 import gc
+import os
 import time
 import warnings
 
@@ -236,15 +237,19 @@ def test_broken_off_epoch_counts_only_yielded_batches():
 
 
 class _SlowFailing(tud.Dataset):
-    """Samples 2 and 3 take 0.3 s each and fail: the second batch is a long wait ending in
-    an error."""
+    """Samples 2 and 3 fail, 1 s after a byte comes on the pipe `gate` (inherited by the
+    forked workers): the second batch is a long wait ending in an error."""
+
+    def __init__(self, gate):
+        self.gate = gate
 
     def __len__(self):
         return 4
 
     def __getitem__(self, i):
         if i >= 2:
-            time.sleep(0.3)
+            os.read(self.gate, 1)
+            time.sleep(1.0)
             raise ValueError("bad sample")
         return torch.tensor([i])
 
@@ -252,11 +257,18 @@ class _SlowFailing(tud.Dataset):
 def test_wait_for_a_failed_batch_counts_in_wall_time():
     """The wait for a batch that raises is part of the loop's wall time as well as of the
     wait: the fraction stays a fraction."""
-    loader = DataLoader(_SlowFailing(), batch_size=2, num_workers=2)
-    with pytest.raises(ValueError, match="bad sample"):
-        for _ in loader:
-            pass
-    stats = loader.stats()
+    gate, go = os.pipe()
+    try:
+        # (A ring from the start: the loop does nothing but wait between its byte and the error.)
+        loader = DataLoader(_SlowFailing(gate), batch_size=2, num_workers=2, slot_bytes=SLOT,
+                            multiprocessing_context="fork")  # (the workers inherit `gate`)
+        with pytest.raises(ValueError, match="bad sample"):
+            for _ in loader:
+                os.write(go, b"x")  # batch 0 taken: batch 1's second starts as the loop waits
+        stats = loader.stats()
+    finally:
+        os.close(gate)
+        os.close(go)
     assert stats.wait_seconds > 0.2
     assert stats.wait_seconds <= stats.wall_seconds and stats.wait_fraction <= 1
 
