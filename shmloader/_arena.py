@@ -25,7 +25,6 @@ from torch.utils.data._utils import collate as _torch_collate
 from torch.utils.data._utils.collate import (
     collate,
     collate_tensor_fn,
-    default_collate,
     default_collate_fn_map,
 )
 
@@ -324,16 +323,16 @@ def changed_collation() -> str | None:
 
 class SlotCollate:
     """torch's default_collate, except that stacked tensors are allocated in
-    the current slot.  With no slot (ring not sized yet, or every slot held)
-    it is exactly default_collate; so is it where default_collate_fn_map
-    collates tensors otherwise (its output is then copied into the slot)."""
+    the current slot.  With no slot (ring not sized yet, or every slot held),
+    in this process's own memory, not in torch's shared memory (/dev/shm):
+    the batch is then copied into a one-off segment (see _one_off.py).  Where
+    default_collate_fn_map collates tensors otherwise it is default_collate
+    (its output is then copied into the slot)."""
 
     def __init__(self):
         self.arena: Arena | None = None
 
     def __call__(self, batch):
-        if self.arena is None:
-            return default_collate(batch)
         # The map as it is now: the user may change it, as torch's
         # default_collate follows it.
         fn_map = dict(default_collate_fn_map)
@@ -342,10 +341,10 @@ class SlotCollate:
         try:
             return collate(batch, collate_fn_map=fn_map)
         except SlotFull:
-            # The batch outgrew the slot: deliver it whole through torch's
-            # path (the caller notices arena is None and counts a spill).
+            # The batch outgrew the slot: deliver it whole outside the ring
+            # (the caller notices arena is None and counts a spill).
             self.arena = None
-            return default_collate(batch)
+            return collate(batch, collate_fn_map=fn_map)
 
     def _collate_tensor(self, batch, *, collate_fn_map=None):
         elem = batch[0]
@@ -354,7 +353,7 @@ class SlotCollate:
         if not _layout.is_slot_tensor(elem) or elem.is_conj() or elem.is_neg():
             return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
         try:
-            return self.arena.stack(batch)
+            return torch.stack(batch, 0) if self.arena is None else self.arena.stack(batch)
         except (TypeError, RuntimeError):
             # torch's collate in a worker first counts every sample's
             # elements: a sample that is no tensor (None) fails there, with

@@ -43,8 +43,8 @@ from . import _cuda, _layout
 from ._pool import WorkerDied, WorkerPool
 from ._ring import MAX_SLOTS
 from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
-from ._rings import (SharedMemoryError, create_ring, reserve_in_background, retire,
-                     slots_that_fit, smaller_ring_message)
+from ._rings import create_ring, reserve_in_background, retire, slots_that_fit, \
+    smaller_ring_message
 from ._sampler_state import PrefetchedEpoch, can_prefetch
 from ._seeding import countable, positions_in
 from ._warn import WarnsBetweenBatches, init_as_torch
@@ -53,7 +53,7 @@ from ._worker import MEASURE, NO_SLOT
 # Slots beyond the prefetch_factor * num_workers batches in flight: the batch
 # being yielded, the one the loop still holds, and two a user may keep (the
 # last batch of a previous loop, one kept for logging) before any batch has
-# to travel by torch's transport.
+# to travel outside the ring (see _one_off.py).
 SPARE_SLOTS = 4
 # A new ring's slots are reserved as workers first write them; the rest of it
 # after this many batches from it: not while the first batch is on its way,
@@ -107,8 +107,8 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._row_errors = {}  # fetch="sample": task id -> {row: (ExceptionWrapper, collating)}
         self._slot_bytes = loader.slot_bytes
         self._sized_by_user = loader.num_slots is not None
-        # Capped at what a ring can hold: tasks in flight beyond it travel by
-        # torch's transport (with the ring-full warning).
+        # Capped at what a ring can hold: tasks in flight beyond it travel
+        # outside the ring (with the ring-full warning).
         self._nslots = loader.num_slots or min(
             self._prefetch_factor * self._num_workers + SPARE_SLOTS, MAX_SLOTS)
         device = loader.device
@@ -294,12 +294,12 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             self._counters.warned_ring_full = True
             self._warn(
                 f"shmloader: all {self._ring.nslots} ring slots are in use (batches still "
-                "referenced by your code, plus those in flight); further batches travel by "
-                "torch's transport until slots are released. Any tensor kept from a batch "
-                "(a mask collected for a metric) holds its batch's whole slot: keep a "
-                ".clone() of it instead. Ring memory stays capped at "
+                "referenced by your code, plus those in flight); further batches travel in "
+                "shared memory of their own, made for each (slower), until slots are "
+                "released. Any tensor kept from a batch (a mask collected for a metric) holds "
+                "its batch's whole slot: keep a .clone() of it instead. The ring stays at "
                 f"{self._ring.total_bytes} bytes; pass num_slots= to keep more batches in "
-                "the ring.", "warned_ring_full"
+                "it.", "warned_ring_full"
             )
         return NO_SLOT
 
@@ -712,7 +712,8 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         if kind == "row_error":
             self._row_errors.setdefault(msg[1], {})[msg[2]] = msg[3:5]
             return None
-        if kind == "batch" and msg[4]:  # measured: only with slot_bytes=None (see WorkerConfig)
+        needed = msg[4] if kind == "batch" else msg[3] if kind == "segment" else 0
+        if needed:  # measured: only with slot_bytes=None (see WorkerConfig)
             # The first batch sizes the ring, with headroom for batches that
             # vary a little.  The ring is made at the next next() call, so
             # that its prefaulting does not delay this batch; until then the
@@ -722,7 +723,6 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             # was made) makes the slots larger when the next epoch starts
             # (see _reset), where memory holds all of them (else an outsized
             # batch would cost the ring, not just itself).
-            needed = msg[4]
             handover = self._handover
             handover.largest_batch_bytes = max(handover.largest_batch_bytes, needed)
             learned = needed + needed // 16 + 65536
@@ -886,32 +886,42 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
     def _unpack(self, data):
         counters = self._counters
         counters.batches += 1
-        if _kind(data) == "batch":
-            reason = data[2]
-            if reason == "no_ring":
-                counters.unsized_batches += 1
-            elif reason == "ring_full":
-                counters.ring_full_batches += 1
-            else:
-                counters.spilled_batches += 1
-                self._warn_spill(data[6])
+        kind = _kind(data)
+        if kind == "slot":
+            lease = data
+            counters.slot_batches += 1
+            if self._reserve_rest_in:
+                self._reserve_rest_in -= 1
+                if not self._reserve_rest_in:
+                    reserve_in_background(self._ring)
+        elif kind == "segment":
+            lease = data[5]  # a one-off segment's (see _one_off.py)
+        else:  # "batch": pickled by torch
             counters.samples += data[5]
+            self._count_outside_ring(data[2], data[6])
             return data[3], data[6]
-        lease = data  # a SlotLease
-        if self._reserve_rest_in:
-            self._reserve_rest_in -= 1
-            if not self._reserve_rest_in:
-                reserve_in_background(self._ring)
         if lease.meta_len == 0:  # filled row by row (fetch="sample")
             meta = self._handover.sample_layout.meta(lease.rows)
         else:
             meta = lease.meta()
-        batch, fallback_leaves, samples, worker_state = _layout.loads(meta, lease,
-                                                                      not self._registered)
-        counters.slot_batches += 1
+        batch, fallback_leaves, samples, worker_state = _layout.loads(
+            meta, lease, kind == "segment" or not self._registered)
         counters.fallback_leaves += fallback_leaves
         counters.samples += samples
+        if kind == "segment":
+            self._count_outside_ring(data[2], worker_state)
         return batch, worker_state
+
+    def _count_outside_ring(self, reason: str, worker_state) -> None:
+        """Count a batch that came outside the ring, and why."""
+        counters = self._counters
+        if reason == "no_ring":
+            counters.unsized_batches += 1
+        elif reason == "ring_full":
+            counters.ring_full_batches += 1
+        else:
+            counters.spilled_batches += 1
+            self._warn_spill(worker_state)
 
     def _warn_spill(self, worker_state) -> None:
         if not self._counters.warned_spill:
@@ -924,7 +934,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             self._warn(
                 f"shmloader: a batch{state} did not fit its slot "
                 f"({self._ring.slot_bytes - self._state_bytes} bytes for a batch: {sized}) and was "
-                "delivered whole by torch's (slower) transport; later ones that do not fit "
+                "delivered whole in shared memory of its own (slower); later ones that do not fit "
                 "will be too" + (
                     ". Pass slot_bytes= to size slots for your largest batch." if self._slot_bytes
                     else " until the next epoch starts, whose ring has slots made to fit the "

@@ -22,6 +22,7 @@ from pickle import PicklingError
 
 from torch.utils.data._utils import signal_handling
 
+from . import _one_off
 from ._rings import address_space_limit
 from ._warn import warn_as_torch_worker_start
 from ._worker import NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT, WorkerConfig, worker_loop
@@ -135,7 +136,8 @@ class WorkerPool:
 
     def _start(self, ctx, fields):
         main_tasks, worker_tasks = ctx.Pipe(duplex=True)
-        main_results, worker_results = ctx.Pipe(duplex=False)
+        # (A socket, as the tasks': one-off segments' fds come back over it.)
+        main_results, worker_results = ctx.Pipe(duplex=True)
         main_tasks.__class__ = main_results.__class__ = _MainEnd
         config = WorkerConfig(tasks=worker_tasks, results=worker_results, **fields)
         process = ctx.Process(target=worker_loop, args=(config,), daemon=True)
@@ -226,7 +228,10 @@ class WorkerPool:
             worker_id = self._conn_of_fd.get(fd)
             if worker_id is not None:
                 try:
-                    messages.append((worker_id, self._results[worker_id].recv()))
+                    msg = self._results[worker_id].recv()
+                    if msg[0] == "segment":  # its fds follow in the stream
+                        msg += (_one_off.receive(self._results[worker_id]),)
+                    messages.append((worker_id, msg))
                 except (EOFError, OSError, RuntimeError) as e:
                     if _out_of_fds(e):  # a batch of torch's transport: torch's words
                         raise RuntimeError(_TORCH_TOO_MANY_FILES) from None

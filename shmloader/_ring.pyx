@@ -139,6 +139,10 @@ cdef class Ring:
         """(segment fd, eventfd), to be passed to producer processes."""
         return shmring_fd(self._r), shmring_eventfd(self._r)
 
+    def close_fds(self):
+        """Close this handle's fds (idempotent); the mapping stays."""
+        shmring_close_fds(self._r)
+
     def slot_state(self, uint32_t slot):
         return _check(shmring_slot_state(self._r, slot), f"reading state of slot {slot}")
 

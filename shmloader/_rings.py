@@ -44,11 +44,11 @@ def address_space_limit() -> str:
 
 
 def shm_full_message(cause: str) -> str:
-    """What to do when a slot's pages cannot be reserved on its first use
-    (memory was there when the ring was made, but no longer)."""
+    """What to do when a batch's pages (a slot's on its first use, or a
+    one-off segment's) cannot be reserved."""
     return (
-        f"shmloader could not reserve a ring slot's shared memory ({cause}): memory ran out "
-        f"after the ring was made, so this batch is lost. {_ADVICE}")
+        f"shmloader could not reserve shared memory for this batch ({cause}): memory ran out "
+        "(the machine's or the memory cgroup's), so this batch is lost. " + _ADVICE)
 
 
 def transport_shm_full_message(cause: str) -> str:
@@ -106,8 +106,8 @@ def smaller_ring_message(fit: int, nslots: int, slot_bytes: int, room: str) -> s
     memory and it works on with `fit` slots."""
     return (
         f"shmloader: {room}, for {nslots} slots of {slot_bytes} bytes: its ring has {fit} "
-        "of them, and batches beyond them travel by torch's transport when every slot is "
-        "held. num_slots= sets the ring's size (a ring that then does not fit is an error).")
+        "of them, and batches beyond them travel in shared memory of their own when every "
+        "slot is held. num_slots= sets the ring's size (a ring that then does not fit is an error).")
 
 
 # Why rings live in /dev/shm instead of memfd memory in this process, or None.
@@ -128,12 +128,14 @@ def create_ring(nslots: int, slot_bytes: int) -> Ring:
     fit, room = slots_that_fit(slot_bytes)
     if fit < nslots:
         raise SharedMemoryError(_ring_bytes_message(nslots, slot_bytes, room))
-    ring = _create(nslots, slot_bytes)
+    ring = new_segment(nslots, slot_bytes)
     _fork.track(ring)
     return ring
 
 
-def _create(nslots: int, slot_bytes: int) -> Ring:
+def new_segment(nslots: int, slot_bytes: int) -> Ring:
+    """A ring's segment in memfd memory, or in /dev/shm where memfd_create is
+    refused; SharedMemoryError where memory (or /dev/shm) is short."""
     global _memfd_refused
     try:
         if _memfd_refused is None:

@@ -31,12 +31,13 @@ class LoaderStats:
         wait_fraction = wait_seconds / wall_seconds says how data-bound the
         loop was (near 0: the loader kept up; near 1: training waited).
     slot_batches: of the batches, those that arrived as views of a ring slot.
-    unsized_batches: sent by torch's transport before the ring was sized
-        from the first batch (slot_bytes=None, fetch="batch").
-    ring_full_batches: sent by torch's transport because every slot was held
-        (kept batches, see num_slots), or /dev/shm had room for a smaller
-        ring or none (see the README's "Small /dev/shm").
-    spilled_batches: larger than their slot, delivered whole by torch's transport.
+    The batches that came outside the ring, each in a one-off memfd segment
+    of its own (or pickled by torch where it cannot be laid out in shared
+    memory):
+    unsized_batches: before the ring was sized from the first batch
+        (slot_bytes=None, fetch="batch");
+    ring_full_batches: while every slot was held (kept batches, see num_slots);
+    spilled_batches: larger than their slot, delivered whole.
     fallback_leaves: tensor-like leaves that cannot live in a slot (CUDA,
         sparse, nested, subclasses, object arrays), pickled by torch.
     occupancy_mean, occupancy_max: slots in use (in flight, ready, or held
@@ -52,7 +53,7 @@ class LoaderStats:
     workers: per worker, see WorkerStats (work done before a worker had the
         ring is added once it has it: a worker that exits first, as a
         non-persistent one may in a short epoch, leaves it out).
-    bytes_moved: bytes workers wrote into slots or sent by torch's transport
+    bytes_moved: bytes workers wrote into slots or one-off segments, or sent by torch's transport
         (its pickles and the tensor storages it shares).
     """
 
@@ -90,7 +91,7 @@ class LoaderStats:
             f"ring: {self.ring_slots} x {self.slot_bytes} bytes, {self.occupancy_mean:.1f} slots "
             f"in use on average (max {self.occupancy_max}); {self.slot_batches} batches through "
             f"it ({share:.0%}), {self.bytes_moved / 1e9:.3f} GB moved; in {self.ring_memory}",
-            f"torch transport: {self.unsized_batches} before sizing, {self.ring_full_batches} "
+            f"outside the ring: {self.unsized_batches} before sizing, {self.ring_full_batches} "
             f"ring full, {self.spilled_batches} spilled; {self.fallback_leaves} fallback leaves; "
             f"{self.prefetched_epochs} prefetched epochs ({self.dropped_prefetched_batches} "
             f"prefetched batches dropped)",

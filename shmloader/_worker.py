@@ -5,7 +5,8 @@ torch's own (torch/utils/data/_utils/worker.py), so datasets see exactly what
 they see under torch's DataLoader.  What differs is the transport: a task that
 comes with a slot is collated into it and published on the ring; everything
 else (no slot, a batch that outgrew its slot, errors, end of an iterable) goes
-to the main process through this worker's result pipe, pickled by torch.
+to the main process through this worker's result pipe: a batch in a one-off
+memfd segment of its own (see _one_off.py), anything else pickled by torch.
 
 fetch="sample" (see _samples.py): every worker gets every batch's task and
 fills its share of the rows, each sample written straight into its row;
@@ -32,9 +33,13 @@ Protocol (main -> worker, over the worker's task socket):
                                      them), or None
     None                             exit
 Worker -> main, over the worker's result pipe:
+    ("segment", task_id, reason, slot_bytes_needed or 0, samples)
+                                     followed by a one-off segment's fds (see
+                                     _one_off.py); reason: "no_ring", "spill"
+                                     (both measured) or "ring_full"
     ("batch", task_id, reason, data, slot_bytes_needed or 0, samples, state or None)
-                                     reason: "no_ring", "spill" (both measured) or
-                                     "ring_full"
+                                     the same, pickled by torch: a batch that
+                                     cannot be laid out in shared memory
     ("error", task_id, ExceptionWrapper[, worker state after it (see _resume)])
     ("row_error", task_id, row, ExceptionWrapper, collating)
                                                   sent before the row is counted done;
@@ -75,7 +80,7 @@ from torch.utils.data import _DatasetKind, IterDataPipe
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
-from . import _layout
+from . import _layout, _one_off
 from ._arena import Arena, SlotCollate, slot_bytes_needed
 from ._malloc import keep_freed_memory
 from ._resume import (STATE_BYTES, carries_state, plain_worker_state, restore_worker_rng,
@@ -87,8 +92,8 @@ from ._sampler_state import attribute
 from ._seeding import Samples
 from ._worker_exit import exit_now, orphaned, set_exit_handlers
 
-NO_SLOT = -1  # every slot is held: use torch's transport
-MEASURE = -2  # no ring yet: use torch's transport and report the size needed
+NO_SLOT = -1  # every slot is held: a one-off segment (see _one_off.py)
+MEASURE = -2  # no ring yet: a one-off segment, and report the size needed
 
 # Without pidfds: how often a waiting worker checks that its main process lives.
 WATCHDOG_INTERVAL = 1.0
@@ -548,10 +553,29 @@ class _Work:
                 self.slots.ring.publish(slot, task_id, meta_off, meta_len)
                 return None, False
         reason = {NO_SLOT: "ring_full", MEASURE: "no_ring"}.get(slot, "spill")
-        # What it would take in a slot: the size of the ring to make, or of
-        # the one to make when the next epoch starts (this one outgrew it).
+        # What it takes in a slot: the size of its one-off segment, and of
+        # the ring to make (or to make when the next epoch starts: this one
+        # outgrew it).
         measured = slot == MEASURE or (slot >= 0 and cfg.measures_spills)
-        needed = _slot_bytes_needed(data, state) if measured else 0
+        needed = _slot_bytes_needed(data, state)
+        if needed:
+            try:
+                # (A little room beyond the measure: the metadata's pickle
+                # may differ from the measured one by a few bytes.)
+                segment = _one_off.write(task_id, data, samples, state, needed + 4096,
+                                         STATE_BYTES if self.snapshots else 0)
+            except OSError as e:  # no memory for it
+                self.give_back(slot)
+                return ("error", task_id, self._shm_full(e)), False
+            except Exception:
+                pass  # SlotFull, or something unpicklable: torch's path decides below
+            else:
+                self.give_back(slot)
+                self.busy.add(self.slots, samples, 1, needed)
+                _one_off.send(cfg.results, ("segment", task_id, reason,
+                                            needed if measured else 0, samples), segment)
+                return None, False
+        needed = needed if measured else 0
         try:
             # Pickled here, not by the pipe, so that a batch that cannot be
             # pickled becomes this task's error instead of killing the worker;

@@ -568,17 +568,16 @@ def test_ignored_sigchld_leaves_every_epoch_whole_like_torch():
 
 
 LIMITED_SCRIPT = textwrap.dedent("""
-    import resource, sys, torch
+    import os, resource, sys, torch
     from shmloader import DataLoader
-    class Dicts(torch.utils.data.Dataset):  # four storages a batch, by torch's transport
+    class Dicts(torch.utils.data.Dataset):
         def __len__(self):
             return 96
         def __getitem__(self, i):
             x = torch.full((3, 16, 16), float(i))
             return {"a": x, "b": x[0].clone(), "c": torch.arange(5000.0), "y": i}
-    if sys.argv[1] == "files":  # few files, and a loop that keeps 20 batches
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-        kw, keep = {}, 20
+    if sys.argv[1] == "files":
+        kw, keep = {}, 0
     else:  # an address space too small for a ring of 8 slots of 100 MiB
         size = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
                     if line.startswith("VmSize:"))
@@ -586,7 +585,13 @@ LIMITED_SCRIPT = textwrap.dedent("""
         kw, keep = dict(slot_bytes=100 << 20, num_slots=8), 0
     kept = []
     try:
-        for batch in DataLoader(Dicts(), batch_size=4, num_workers=3, **kw):
+        it = iter(DataLoader(Dicts(), batch_size=4, num_workers=3, **kw))
+        if sys.argv[1] == "files":
+            # No file left to receive the fds of the first batches' one-off segments.
+            limit = len(os.listdir("/proc/self/fd"))
+            resource.setrlimit(resource.RLIMIT_NOFILE,
+                               (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        for batch in it:
             kept = (kept + [batch])[:keep]
     except Exception as e:
         print(type(e).__name__, e, flush=True)
@@ -595,8 +600,9 @@ LIMITED_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("limit", ["files", "address_space"])
 def test_resource_limits_give_errors_that_name_them(limit):
-    """Too few open files (batches of torch's transport bring fds) or too little address
-    space (for the ring): the error names the limit to raise, as torch's does for files,
+    """Too few open files (batches outside the ring bring their segment's fds) or too
+    little address space (for the ring): the error names the limit to raise, as torch's
+    does for files,
     never an internal message ("received 0 items of ancdata")."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", LIMITED_SCRIPT, limit], cwd=root,

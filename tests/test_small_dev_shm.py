@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -131,17 +130,21 @@ if __name__ == "__main__":
 """
 
 
-def _memfd_holders(pids):
-    """Of `pids`, those holding an fd of a shmloader memfd."""
-    holders = []
-    for pid in pids:
+def _memfds(pid):
+    """(st_dev, st_ino) of each shmloader memfd that process `pid` holds."""
+    found = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return found
+    for fd in fds:
         try:
-            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:shmloader"):
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                found.add((st.st_dev, st.st_ino))
         except OSError:
             continue
-        if any(link.startswith("/memfd:shmloader") for link in links):
-            holders.append(pid)
-    return holders
+    return found
 
 
 def test_nothing_is_left_after_the_main_process_is_killed():
@@ -155,12 +158,15 @@ def test_nothing_is_left_after_the_main_process_is_killed():
                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         workers = [int(p) for p in child.stdout.readline().split()]
-        assert len(workers) == 2 and _memfd_holders(workers) == workers
-        assert _memfd_holders([child.pid]) == [child.pid]
+        ring = _memfds(child.pid)
+        assert len(workers) == 2 and len(ring) == 1
+        wait_until(lambda: all(_memfds(p) == ring for p in workers), 60,
+                   "every worker holds the ring")
         child.send_signal(signal.SIGKILL)
         child.wait(60)
         wait_until(lambda: not any(alive(p) for p in workers), 60, "the workers exited")
-        assert _memfd_holders([int(p) for p in os.listdir("/proc") if p.isdigit()]) == []
+        holders = [p for p in os.listdir("/proc") if p.isdigit() and _memfds(p) & ring]
+        assert holders == [], f"processes {holders} keep the killed loader's ring alive"
     finally:
         child.kill()
         child.wait()
