@@ -5,6 +5,8 @@ the transport-free limit of the same work measured in the same run.
     python benchmarks/bench.py             # full: the six workloads and the size sweep, with
                                            # 1, 2 and 4 workers and two batch sizes each
     python benchmarks/bench.py --preset jpeg --workers 4 [--batch-size 64] [--loaders torch]
+    python benchmarks/bench.py --shm-size 64m --preset uint8-224 --batch-size 256 64
+                                           # in a container's 64 MB /dev/shm (see container.py)
 
 A run is one preset with one number of workers and one batch size. Both loaders get the
 same dataset object and the same arguments. Their first epochs run side by side and must
@@ -29,6 +31,7 @@ from typing import Any, Callable
 import torch.utils.data
 
 import charts
+import container
 import report
 from limit import TransportFreeLimit
 from measure import (BenchmarkError, Epoch, Spec, checked_warm_up, first_batch_s, interleaved, peak_memory,
@@ -212,9 +215,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="short epochs and few repetitions")
     parser.add_argument("--reps", type=int,
                         help=f"timed epochs per loader (default: {REPS[1]} with --quick, else {REPS[0]})")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="JSON path; the charts are written next to it, named after it (default: %(default)s)")
+    parser.add_argument("--shm-size", metavar="SIZE",
+                        help="instead: both loaders with a /dev/shm of SIZE (a tmpfs size, 64m as "
+                             "Docker's default) beside a roomy one, in a private mount namespace "
+                             "(needs root); figures to results/container.json unless --out")
+    parser.add_argument("--out", type=Path,
+                        help=f"JSON path; the charts are written next to it, named after it (default: {DEFAULT_OUT})")
     args = parser.parse_args(argv)
+    args.out = args.out or (DEFAULT_OUT.with_name("container.json") if args.shm_size else DEFAULT_OUT)
     args.workers = args.workers or list(WORKERS[args.quick])
     if min(args.workers) < 1:
         parser.error("--workers must be at least 1: the benchmark measures the hand-off from workers")
@@ -236,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     # Keep the reference first whatever order the loaders were named in.
     classes = {name: loader_class(name) for name in LOADERS if name in args.loaders}
     runs = plan(preset_names(args.preset, args.quick), args.workers, args.batch_size, args.quick)
+    if args.shm_size:
+        small_dev_shm(runs, args)
+        return
     document = report.new_document(runs=[])
     # The jpeg preset writes its files here; every run of this invocation shares them.
     with tempfile.TemporaryDirectory(prefix="shmloader-bench-") as scratch:
@@ -257,6 +268,22 @@ def main(argv: list[str] | None = None) -> None:
         return
     for path in charts.write(document, args.out):
         print(f"chart written to {path}")
+
+
+def small_dev_shm(runs: list[Run], args: argparse.Namespace) -> None:
+    """Every run with a /dev/shm of args.shm_size beside a roomy one (see container.py)."""
+    container.check_namespace(args.shm_size)
+    document = report.new_document(runs=[])
+    with tempfile.TemporaryDirectory(prefix="shmloader-bench-") as scratch:
+        for number, run in enumerate(runs, 1):
+            progress = Progress(f"[{number}/{len(runs)}] {run.label()}:")
+            record = container.measure(run.preset.name, run.workers, run.batch_size, args.shm_size,
+                                       args.quick, scratch, progress)
+            progress.clear()
+            document["runs"].append(record)
+            report.write_json(document, args.out)
+            print(container.table(record) + "\n")
+    print(f"figures written to {args.out}")
 
 
 if __name__ == "__main__":
