@@ -200,7 +200,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._attach_ring()
 
     def _open_ring(self, slot_bytes: int) -> None:
-        """The loader's spare ring where it fits, else a new one (or none)."""
+        """The loader's spare ring where it fits, else a new one."""
         slot_bytes = max(slot_bytes, self._slot_bytes or 0) + self._state_bytes
         self._ring = self._handover.take_spare_ring(self._nslots, slot_bytes)
         if self._ring is None:
@@ -724,7 +724,6 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             # (see _reset), where memory holds all of them (else an outsized
             # batch would cost the ring, not just itself).
             handover = self._handover
-            handover.largest_batch_bytes = max(handover.largest_batch_bytes, needed)
             learned = needed + needed // 16 + 65536
             if self._ring is None:
                 if learned > (handover.learned_slot_bytes or 0):

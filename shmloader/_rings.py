@@ -184,14 +184,13 @@ def reserve_in_background(ring: Ring) -> None:
 _reserving: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-@dataclass(eq=False)  # (kept in a WeakSet: hashed by identity)
+@dataclass(eq=False)  # (one per loader: compared by identity)
 class RingHandover:
     """What a loader's iterators pass on to the next one: the slot size
     learned from the first batch, fetch="sample"'s layout, and a ring whose
     workers have exited (so a new epoch does not prefault a new one)."""
 
     learned_slot_bytes: int | None = None
-    largest_batch_bytes: int = 0  # of the batches measured (see ShmLoaderIter._grow_for)
     sample_layout: SampleLayout | None = None  # fetch="sample", once probed
     spare_ring: Ring | None = None
 

@@ -250,8 +250,7 @@ from shmloader import DataLoader
 from tests.datasets_lifecycle import Images
 
 # 9.6 MB batches in a 64 MB /dev/shm: after two epochs of training, a new loader (an
-# evaluation): its first batches go by torch's transport while its ring is sized, in the
-# room the training loader's idle ring holds.
+# evaluation) whose first batches travel outside the ring while its ring is sized.
 train = DataLoader(Images(256, shape=(3, 224, 224)), batch_size=64, num_workers=2)
 for epoch in range(2):
     for batch in train:
@@ -282,15 +281,15 @@ def _run_in_a_64_mb_dev_shm(script):
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["non_persistent", "persistent"])
 def test_train_and_validation_loaders_in_a_64_mb_dev_shm(persistent):
-    """Docker's default /dev/shm: torch's loaders run there, so shmloader's do too (the
-    training loader's ring, idle between its epochs, gives its room to the validation
-    loader, and is made again at the next epoch)."""
+    """Docker's default /dev/shm, a training loader alive throughout and a validation
+    loader after each epoch: the same batches as torch's, whose loaders run there too (the
+    rings live in memfd memory, beside /dev/shm)."""
     out = _run_in_a_64_mb_dev_shm(SMALL_DEV_SHM_SCRIPT.replace("PERSISTENT", str(persistent)))
     assert out[:3] == ["same", "as", "torch"], out
     assert int(out[3]) > 0  # the training loader had a ring
 
 
 def test_a_new_loader_after_training_in_a_64_mb_dev_shm():
-    """A loader made after another's epochs (an evaluation): the other's idle ring gives
-    its room to the batches that size the new loader's ring (torch's loaders run there)."""
+    """A loader made after another's epochs (an evaluation), in Docker's default
+    /dev/shm: its first batches, which size its ring, need none of it."""
     assert _run_in_a_64_mb_dev_shm(NEW_LOADER_AFTER_TRAINING_SCRIPT) == ["True"]
