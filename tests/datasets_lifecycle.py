@@ -5,7 +5,7 @@ import signal
 import time
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Sampler
 
 
 class Images(Dataset):
@@ -20,6 +20,19 @@ class Images(Dataset):
 
     def __getitem__(self, i):
         return torch.full(self.shape, i % 251, dtype=torch.uint8)
+
+
+class Buckets(Sampler):
+    """A bucketing batch sampler's batches: 2 to 60 samples, a large one before a larger one."""
+
+    def __len__(self):
+        return 8
+
+    def __iter__(self):
+        start = 0
+        for n in [2, 40, 4, 60, 2, 60, 8, 1]:
+            yield list(range(start, start + n))
+            start += n
 
 
 class WorkerTempDirs(Images):

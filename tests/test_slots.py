@@ -18,7 +18,7 @@ import torch
 
 from shmloader import DataLoader, SharedMemoryError, _layout
 from tests import datasets as D
-from tests.datasets_lifecycle import Images
+from tests.datasets_lifecycle import Buckets, Images
 from tests.procs import wait_gone
 
 # Slots held by batches are what these tests are about: small leaves stay views.
@@ -512,19 +512,6 @@ def test_slots_stay_as_they_are_where_larger_ones_would_not_fit(monkeypatch):
     assert not [w for w in caught if "room" in str(w.message)]
 
 
-class _Buckets(torch.utils.data.Sampler):
-    """A bucketing batch sampler's batches: 2 to 60 samples, a large one before a larger one."""
-
-    def __len__(self):
-        return 8
-
-    def __iter__(self):
-        start = 0
-        for n in [2, 40, 4, 60, 2, 60, 8, 1]:
-            yield list(range(start, start + n))
-            start += n
-
-
 def test_slots_do_not_grow_past_the_memory_a_ring_can_have(monkeypatch):
     """Slots grow to fit a batch that spilled where a ring of the larger slots fits in
     memory (here SHMLOADER_SHM_LIMIT): 8 slots for the 40-sample batch do, 8 for the
@@ -532,8 +519,8 @@ def test_slots_do_not_grow_past_the_memory_a_ring_can_have(monkeypatch):
     sample = 3 * 64 * 64
     monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(8 * 700_000))
     dataset = Images(200, shape=(3, 64, 64))
-    want = list(torch.utils.data.DataLoader(dataset, batch_sampler=_Buckets()))
-    loader = DataLoader(dataset, batch_sampler=_Buckets(), num_workers=2, persistent_workers=True)
+    want = list(torch.utils.data.DataLoader(dataset, batch_sampler=Buckets()))
+    loader = DataLoader(dataset, batch_sampler=Buckets(), num_workers=2, persistent_workers=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the spill warning)
         for _ in range(3):
