@@ -1,11 +1,20 @@
 import faulthandler
 import os
+import signal
 
 import pytest
 from hypothesis import settings
 
 from shmloader import _layout
 from tests.procs import HANG_TIMEOUT_S, rearm_hang_guard
+
+# A suite started in the background by a non-interactive shell (`pytest ... &`, as a CI
+# script or tests/stress.py may be) inherits SIGINT ignored, and so would every process
+# it starts: the tests that interrupt a training process with SIGINT would then wait for
+# an exit that never comes.  Python's own handler here makes children start with the
+# default disposition again (a handled signal is reset by exec).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The property tests draw the same examples on every run unless asked not to, so that a
 # red CI run is the code's doing and reproducible, not the draw's.  A longer, random
