@@ -17,6 +17,7 @@ import collections
 import multiprocessing
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,16 +25,20 @@ import time
 import xml.etree.ElementTree as ET
 
 
-def _spin():
-    while True:
-        pass
+def _spin(parent: int):
+    # Until the stress run is gone, however it ended (killed, it runs no cleanup).
+    while os.getppid() == parent:
+        for _ in range(1_000_000):
+            pass
 
 
 def start_load(n: int):
     """Processes that keep `n` cores busy until stop_load()."""
     if shutil.which("stress-ng"):
-        return [subprocess.Popen(["stress-ng", "--cpu", str(n), "--quiet"])]
-    procs = [multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+        # (--timeout: stress-ng outlives a stress run that is killed.)
+        return [subprocess.Popen(["stress-ng", "--cpu", str(n), "--quiet", "--timeout", "12h"])]
+    procs = [multiprocessing.get_context("spawn").Process(target=_spin, args=(os.getpid(),),
+                                                          daemon=True)
              for _ in range(n)]
     for p in procs:
         p.start()
@@ -74,6 +79,8 @@ def main(argv=None) -> int:
     args, pytest_args = parser.parse_args(argv[:cut]), argv[cut + 1:]
 
     failures = collections.Counter()
+    # A TERM ends the run through its cleanup (the load stops, pytest is not left behind).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load = start_load(args.load) if args.load > 0 else []
     try:
         with tempfile.TemporaryDirectory() as tmp:
