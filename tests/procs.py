@@ -46,6 +46,19 @@ def wait_until(predicate, limit: float, what: str):
     return value
 
 
+def preload_library(folder, name: str, source: str) -> str:
+    """Build C `source` into `folder`/`name`.so, for LD_PRELOAD: to make a libc call fail
+    as it does on machines this one is not (a full /dev/shm, a kernel or seccomp filter
+    that refuses memfd_create)."""
+    import subprocess
+
+    path = os.path.join(folder, name)
+    with open(path + ".c", "w") as f:
+        f.write(source)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", path + ".so", path + ".c"], check=True)
+    return path + ".so"
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -16,7 +16,7 @@ import torch.utils.data as tud
 from shmloader import DataLoader, SharedMemoryError
 from shmloader._ring import Ring
 from tests.datasets_lifecycle import Images
-from tests.procs import deadline
+from tests.procs import deadline, preload_library
 
 SLOT = 1 << 20
 
@@ -70,15 +70,10 @@ def no_room_preload(tmp_path_factory):
     """A library that makes every posix_fallocate fail with ENOSPC, as on a
     /dev/shm that filled up after the ring was made; preloaded into spawned
     workers only (the main process has made its ring already)."""
-    folder = tmp_path_factory.mktemp("preload")
-    source = folder / "no_room.c"
-    source.write_text(
-        "#include <errno.h>\n#include <sys/types.h>\n"
-        "int posix_fallocate(int fd, off_t offset, off_t len) { return ENOSPC; }\n"
-        "int posix_fallocate64(int fd, off_t offset, off_t len) { return ENOSPC; }\n")
-    library = folder / "no_room.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
-    return str(library)
+    return preload_library(tmp_path_factory.mktemp("preload"), "no_room",
+                           "#include <errno.h>\n#include <sys/types.h>\n"
+                           "int posix_fallocate(int fd, off_t offset, off_t len) { return ENOSPC; }\n"
+                           "int posix_fallocate64(int fd, off_t offset, off_t len) { return ENOSPC; }\n")
 
 
 @pytest.mark.parametrize("fetch", ["batch", "sample"])

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.procs import alive, wait_until
+from tests.procs import alive, preload_library, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,12 +47,13 @@ SHM_KINDS = {
                "mount --bind /run/shmloader-dev/$n /dev/$n || exit 1; done && "
                "ln -s /proc/self/fd /dev/fd && umount -l /run/shmloader-dev",
     "64m": "mount -t tmpfs -o size=64m tmpfs /dev/shm",
+    "roomy": "mount -t tmpfs tmpfs /dev/shm",
 }
 
 
-def run_with_dev_shm(kind: str, script: str, timeout: float = 600):
+def run_with_dev_shm(kind: str, script: str, timeout: float = 600, env=None):
     """`python -c PRELUDE + script` from the repository's root, in a private mount
-    namespace whose /dev/shm is of `kind` (see SHM_KINDS)."""
+    namespace whose /dev/shm is of `kind` (see SHM_KINDS), with environment `env`."""
     setup = SHM_KINDS[kind]
     probe = subprocess.run(["unshare", "-m", "sh", "-c", setup], capture_output=True)
     if probe.returncode != 0:
@@ -60,7 +61,7 @@ def run_with_dev_shm(kind: str, script: str, timeout: float = 600):
                     f"({probe.stderr.decode().strip()})")
     command = f"{setup} && exec {sys.executable} -c \"$0\""
     return subprocess.run(["unshare", "-m", "sh", "-c", command, PRELUDE + script],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _output(done):
@@ -232,3 +233,31 @@ def test_nothing_is_left_after_the_main_process_is_killed():
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.fixture(scope="module")
+def memfd_refused(tmp_path_factory):
+    """A library under which memfd_create fails as a seccomp filter or a kernel older
+    than 3.17 makes it fail (ENOSYS)."""
+    return preload_library(tmp_path_factory.mktemp("preload"), "no_memfd",
+                           "#include <errno.h>\n"
+                           "int memfd_create(const char *name, unsigned int flags) "
+                           "{ errno = ENOSYS; return -1; }\n")
+
+
+def test_where_memfd_create_is_refused_rings_live_in_dev_shm(memfd_refused):
+    """The fallback, in a /dev/shm of its own: rings and one-off segments in /dev/shm
+    (unnamed: nothing left behind), batches equal to torch's, and stats() saying where
+    and why."""
+    script = """
+data = Images(40, shape=(3, 32, 32))
+loader = DataLoader(data, batch_size=4, num_workers=2, num_slots=6)
+ok = all(torch.equal(a, b) for a, b in zip(list(loader), list(TorchLoader(data, batch_size=4))))
+stats = loader.stats()
+assert stats.ring_memory.startswith("/dev/shm (memfd_create refused: "), stats.ring_memory
+assert stats.unsized_batches and stats.slot_batches, stats
+print("ok" if ok else "differs", os.listdir("/dev/shm"))
+"""
+    out = _output(run_with_dev_shm("roomy", script,
+                                   env={**os.environ, "LD_PRELOAD": memfd_refused}))
+    assert out == ["ok", "[]"]
