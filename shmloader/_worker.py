@@ -227,7 +227,7 @@ class _Slots:
 
     def slot(self, slot: int):
         """(SlotMemory, uint8 storage) of `slot`; its first use reserves its
-        pages (OSError when /dev/shm has no room for them any more)."""
+        pages (OSError when memory has run out since the ring was made)."""
         if slot not in self._storages:
             self.ring.reserve(slot)
             memory = self.ring.memory(slot)
@@ -518,7 +518,7 @@ class _Work:
         if slot >= 0:
             try:
                 arena = self.slots.arena(slot, STATE_BYTES if self.snapshots else 0)
-            except OSError as e:  # /dev/shm filled up since the ring was made
+            except OSError as e:  # memory ran out since the ring was made
                 self.give_back(slot)
                 return ("error", task_id, self._shm_full(e)), False
         if self.slot_collate is not None:
@@ -693,8 +693,9 @@ class _Work:
         return self._shm_error(transport_shm_full_message(str(error)), error)
 
     def _shm_full(self, cause: OSError):
-        """A slot's pages could not be reserved: its batch's error (torch's
-        transport would need the same /dev/shm, so there is no fallback)."""
+        """A slot's or one-off segment's pages could not be reserved: its
+        batch's error (any other way would need the same memory, so there is
+        no fallback)."""
         return self._shm_error(shm_full_message(str(cause)), cause)
 
     def _shm_error(self, message: str, cause: Exception):
