@@ -6,7 +6,11 @@ The ring's pages are shared memory (memfd), charged to the memory cgroup of
 the process that reserves them, and counted in the machine's MemAvailable
 until then.  The room is the smallest of: MemAvailable, and limit less usage
 of the process's memory cgroup and of each cgroup above it (v2 memory.max /
-memory.current, v1 memory.limit_in_bytes / memory.usage_in_bytes)."""
+memory.current, v1 memory.limit_in_bytes / memory.usage_in_bytes).  A
+cgroup's usage counts the page cache of the files its processes read (a
+dataset's images), which the kernel drops to make room before it kills
+anything: that cache (memory.stat's file LRU lists, which hold no shared
+memory) counts as room, as it does in MemAvailable."""
 from __future__ import annotations
 
 import os
@@ -15,6 +19,11 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 _FILES = {  # controller line in /proc/self/cgroup -> (mount dir, limit file, usage file)
     "v2": ("", "memory.max", "memory.current"),
     "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes"),
+}
+# memory.stat's page cache lines (this cgroup and those below it).
+_CACHE_LINES = {
+    "v2": ("inactive_file", "active_file"),
+    "v1": ("total_inactive_file", "total_active_file"),
 }
 
 
@@ -25,6 +34,22 @@ def _read_int(path: str) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def _page_cache(where: str, version: str) -> int:
+    """Bytes of page cache charged to the cgroup at `where`: memory the
+    kernel reclaims when a ring's pages need it."""
+    wanted = _CACHE_LINES[version]
+    total = 0
+    try:
+        with open(os.path.join(where, "memory.stat")) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key in wanted and value.strip().isdigit():
+                    total += int(value)
+    except OSError:
+        pass
+    return total
 
 
 def _mem_available() -> int | None:
@@ -76,10 +101,11 @@ def _cgroup_room() -> tuple[int, str] | None:
             # v1 writes "no limit" as a huge number, near 2**63.
             if limit is None or usage is None or limit >= 1 << 62:
                 continue
-            room = max(0, limit - usage)
+            cache = min(usage, _page_cache(where, version))
+            room = max(0, limit - usage + cache)
             if best is None or room < best[0]:
                 best = (room, f"the memory cgroup {where} has {room} bytes left "
-                              f"({usage} of its {limit} in use)")
+                              f"({usage} of its {limit} in use, {cache} of that page cache)")
     return best
 
 

@@ -25,12 +25,15 @@ class Images(Dataset):
 class Buckets(Sampler):
     """A bucketing batch sampler's batches: 2 to 60 samples, a large one before a larger one."""
 
+    def __init__(self, sizes=(2, 40, 4, 60, 2, 60, 8, 1)):
+        self.sizes = sizes
+
     def __len__(self):
-        return 8
+        return len(self.sizes)
 
     def __iter__(self):
         start = 0
-        for n in [2, 40, 4, 60, 2, 60, 8, 1]:
+        for n in self.sizes:
             yield list(range(start, start + n))
             start += n
 

@@ -16,7 +16,7 @@ import torch.utils.data as tud
 from shmloader import DataLoader, SharedMemoryError
 from shmloader._ring import Ring
 from tests.datasets_lifecycle import Images
-from tests.procs import deadline, preload_library
+from tests.procs import HANG_TIMEOUT_S, deadline, preload_library
 
 SLOT = 1 << 20
 
@@ -172,7 +172,8 @@ def test_a_ring_of_the_users_slot_size_that_cannot_have_one_slot_is_an_error(mon
 
 def test_memory_is_checked_against_the_memory_cgroup(monkeypatch, tmp_path):
     """The room is the tightest of MemAvailable and each memory cgroup's limit less its
-    usage, read from a cgroup tree like the kernel's (v2 here, v1 in the next test)."""
+    usage, read from a cgroup tree like the kernel's (v2 here, v1 in the next test); the
+    page cache in that usage (file LRU lists, not shmem) counts as room."""
     from shmloader import _memory
 
     group = tmp_path / "kubepods" / "pod1"
@@ -181,11 +182,15 @@ def test_memory_is_checked_against_the_memory_cgroup(monkeypatch, tmp_path):
     (tmp_path / "kubepods" / "memory.max").write_text("max\n")
     (tmp_path / "kubepods" / "memory.current").write_text("5000\n")
     (group / "memory.max").write_text(f"{300 << 20}\n")
-    (group / "memory.current").write_text(f"{100 << 20}\n")
+    (group / "memory.current").write_text(f"{150 << 20}\n")
+    (group / "memory.stat").write_text(
+        f"anon {90 << 20}\nfile {60 << 20}\nshmem {10 << 20}\n"
+        f"inactive_file {30 << 20}\nactive_file {20 << 20}\nunevictable 0\n")
     monkeypatch.setattr(_memory, "CGROUP_ROOT", str(tmp_path))
     monkeypatch.setattr(_memory, "_cgroup_lines", lambda: ["0::/kubepods/pod1"])
     room, words = _memory.available()
     assert room == 200 << 20 and str(group) in words and f"{300 << 20}" in words
+    assert f"{50 << 20} of that page cache" in words
     loader = DataLoader(Images(32), batch_size=4, num_workers=2, slot_bytes=64 << 20)
     with pytest.raises(SharedMemoryError, match=f"the memory cgroup {group} has {200 << 20} "):
         iter(loader)
@@ -197,7 +202,10 @@ def test_memory_is_checked_against_a_v1_memory_cgroup(monkeypatch, tmp_path):
     group = tmp_path / "memory" / "docker" / "abc"
     group.mkdir(parents=True)
     (group / "memory.limit_in_bytes").write_text(f"{64 << 20}\n")
-    (group / "memory.usage_in_bytes").write_text(f"{60 << 20}\n")
+    (group / "memory.usage_in_bytes").write_text(f"{62 << 20}\n")
+    (group / "memory.stat").write_text(
+        f"cache {3 << 20}\ninactive_file {1 << 20}\ntotal_cache {3 << 20}\n"
+        f"total_inactive_file {1 << 20}\ntotal_active_file {1 << 20}\n")
     (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
     (tmp_path / "memory" / "memory.usage_in_bytes").write_text("1\n")
     monkeypatch.setattr(_memory, "CGROUP_ROOT", str(tmp_path))
@@ -288,3 +296,56 @@ def test_a_new_loader_after_training_in_a_64_mb_dev_shm():
     """A loader made after another's epochs (an evaluation), in Docker's default
     /dev/shm: its first batches, which size its ring, need none of it."""
     assert _run_in_a_64_mb_dev_shm(NEW_LOADER_AFTER_TRAINING_SCRIPT) == ["True"]
+
+
+REAL_CGROUP_SCRIPT = """
+import os, sys
+from shmloader import DataLoader, _memory
+from tests.datasets_lifecycle import Images
+
+# Fill this cgroup to its limit with page cache: a dataset's files, read once.
+block = os.urandom(1 << 20)
+with open(sys.argv[1], "wb") as f:
+    for _ in range(768):
+        f.write(block)
+with open(sys.argv[1], "rb") as f:
+    while f.read(1 << 20):
+        pass
+room, words = _memory.available()
+loader = DataLoader(Images(64, shape=(3, 64, 64)), batch_size=8, num_workers=2,
+                    slot_bytes=4 << 20, num_slots=8)
+print(sum(int(b.sum()) for b in loader), room >> 20, words, flush=True)
+"""
+
+
+def test_page_cache_in_a_real_memory_cgroup_leaves_room_for_the_ring(tmp_path):
+    """A training process in a real memory cgroup (640 MB, as a container's) whose usage
+    is mostly the page cache of the files it read still gets its 32 MB ring: the kernel
+    drops that cache for it.  (Counted as used, the room was near 0: SharedMemoryError.)"""
+    from shmloader import _memory
+
+    dirs = [(version, mount, path) for version, mount, path in _memory._cgroup_dirs()]
+    if not dirs or os.geteuid() != 0:
+        pytest.skip("needs root and a memory cgroup hierarchy")
+    version, mount, path = dirs[0]
+    group = os.path.join(mount, path, f"shmloader-test-{os.getpid()}")
+    limit_file = "memory.max" if version == "v2" else "memory.limit_in_bytes"
+    try:
+        os.mkdir(group)
+    except OSError as e:
+        pytest.skip(f"cannot make a memory cgroup here: {e}")
+    try:
+        with open(os.path.join(group, limit_file), "w") as f:
+            f.write(str(640 << 20))
+        join = f"echo $$ > {os.path.join(group, 'cgroup.procs')} && exec \"$0\" \"$@\""
+        out = subprocess.run(
+            ["sh", "-c", join, sys.executable, "-c", REAL_CGROUP_SCRIPT, str(tmp_path / "data")],
+            capture_output=True, text=True, timeout=HANG_TIMEOUT_S,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-3000:])
+        total, room_mb, words = out.stdout.split(" ", 2)
+        want = sum(int(b.sum()) for b in torch.utils.data.DataLoader(
+            Images(64, shape=(3, 64, 64)), batch_size=8))
+        assert int(total) == want and int(room_mb) >= 64, words
+    finally:
+        os.rmdir(group)

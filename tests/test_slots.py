@@ -515,12 +515,15 @@ def test_slots_stay_as_they_are_where_larger_ones_would_not_fit(monkeypatch):
 def test_slots_do_not_grow_past_the_memory_a_ring_can_have(monkeypatch):
     """Slots grow to fit a batch that spilled where a ring of the larger slots fits in
     memory (here SHMLOADER_SHM_LIMIT): 8 slots for the 40-sample batch do, 8 for the
-    60-sample one do not, so the slots stay sized for 40 and the 60s keep spilling."""
+    60-sample one do not, so the slots stay sized for 40 and the 60s keep spilling.  The
+    60s come after the first 5 batches, those sent before the first ring is made (which
+    would size it for the largest that arrived: fewer, larger slots)."""
     sample = 3 * 64 * 64
     monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(8 * 700_000))
     dataset = Images(200, shape=(3, 64, 64))
-    want = list(torch.utils.data.DataLoader(dataset, batch_sampler=Buckets()))
-    loader = DataLoader(dataset, batch_sampler=Buckets(), num_workers=2, persistent_workers=True)
+    buckets = Buckets((2, 40, 4, 8, 2, 60, 60, 1))
+    want = list(torch.utils.data.DataLoader(dataset, batch_sampler=buckets))
+    loader = DataLoader(dataset, batch_sampler=buckets, num_workers=2, persistent_workers=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the spill warning)
         for _ in range(3):
