@@ -17,7 +17,7 @@ afterwards on fresh non-persistent loaders (from construction to holding the fir
 and memory on a fresh persistent loader over a few epochs (its peak, and what is left between
 epochs: does it stay flat?), one loader at a time. Every
 run's figures go to one JSON file, with the charts next to it (see charts.py).
-See shared/BENCHMARKS.md for what the figures mean.
+See docs/benchmarks.md for what the figures mean.
 """
 import argparse
 import functools

@@ -1,4 +1,4 @@
-"""The benchmark's workloads: one table of named presets (see shared/BENCHMARKS.md).
+"""The benchmark's workloads: one table of named presets (see docs/benchmarks.md).
 
 A synthetic sample is a clone of an array from a small pool generated once,
 deterministically, when the dataset is built: producing a sample then costs the same
@@ -221,6 +221,6 @@ PRESETS = {p.name: p for p in [
     jpeg_preset(),
     *size_sweep_presets(),
 ]}
-# The six workloads of shared/BENCHMARKS.md, which --quick runs; a full run adds the sweep.
+# The six workloads of docs/benchmarks.md, which --quick runs; a full run adds the sweep.
 WORKLOADS = ("uint8-224", "f32-512", "uint8-1024", "tiny", "multi-field", "jpeg")
 FAMILIES = {SIZE_SWEEP: tuple(name for name, p in PRESETS.items() if p.family == SIZE_SWEEP)}

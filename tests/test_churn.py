@@ -1,4 +1,4 @@
-"""Churn (DESIGN.md contract 5, "nothing leaks"): creating and dropping many
+"""Churn (docs/design.md, contract 5, "nothing leaks"): creating and dropping many
 iterators, many loaders, and running many epochs of a persistent loader leaves the
 main process where it started.
 

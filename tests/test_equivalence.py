@@ -1,5 +1,5 @@
 """One body of behaviour scenarios, each run through torch's DataLoader and through
-shmloader.DataLoader with the same seeds; the outputs must be identical (DESIGN.md, contract 1).
+shmloader.DataLoader with the same seeds; the outputs must be identical (docs/design.md, contract 1).
 
 Every scenario reseeds `random`, torch and numpy before each of the two runs, builds a fresh
 dataset (and fresh generators/samplers via `Fresh`), iterates the requested number of epochs while

@@ -1,4 +1,4 @@
-"""Kill matrix (DESIGN.md contract 5): however the main process ends, and however a
+"""Kill matrix (docs/design.md, contract 5): however the main process ends, and however a
 worker dies or fails, nothing hangs, nothing is left behind, and the error is clear.
 
 Every scenario runs in a process of its own, `python -m tests.kill_driver ...` (see
@@ -23,7 +23,7 @@ only, generously: on a loaded 2-core machine a spawn scenario alone takes tens o
     exception re-raised like torch (same type, the original message, "Caught X in
     DataLoader worker process N", "Original Traceback"); the driver measures how long
     after the fault it came (time.monotonic() written by the failing worker), a figure
-    in its "error" line and the KILL_MATRIX_REPORT, never asserted (DESIGN.md asks for
+    in its "error" line and the KILL_MATRIX_REPORT, never asserted (docs/design.md asks for
     about a second; a hang fails by DRIVER_S); after a death no worker is alive GONE_S
     after the error; after a __getitem__ error the rest of the epoch is
     delivered; the next epoch is whole (the fault fired once); and when the loader is

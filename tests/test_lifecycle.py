@@ -1,4 +1,4 @@
-"""Failures and cleanup (DESIGN.md contract 5): worker errors and deaths,
+"""Failures and cleanup (docs/design.md, contract 5): worker errors and deaths,
 timeouts, and that no worker or segment outlives the loader however the main
 process ends.  Anything that could hang runs under a hard timeout."""
 import contextlib

@@ -41,7 +41,7 @@ TorchDataLoader = tud.DataLoader
 P = functools.partial
 ASSIGNMENTS = ["interleaved", "dynamic"]
 # A worker's death must show within this long, else the test fails as hung (a hang bound, not a
-# speed check: DESIGN.md asks for about a second).  Generous: the bounded span includes
+# speed check: docs/design.md asks for about a second).  Generous: the bounded span includes
 # starting the workers and fetching batches, on a loaded 2-core machine too; processes
 # that should be gone are polled for as long.
 HANG_S = 60.0
