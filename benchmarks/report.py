@@ -235,3 +235,190 @@ def aligned(rows: list[list[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]).rstrip()
             for row in rows]
+
+
+# The figures section of docs/benchmarks.md, written from the JSON in benchmarks/results/
+# (`python benchmarks/report.py`), never by hand. The results folder is not kept by git:
+# the section shows whatever runs are there when it is written, and records each file's
+# digest, so that tests/test_docs.py can tell whether the page still matches a file it finds.
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
+BEGIN = "<!-- figures: begin. Written by `python benchmarks/report.py` from benchmarks/results/*.json: do not edit. -->"
+END = "<!-- figures: end -->"
+
+
+def docs_machine_line(m: dict[str, Any]) -> str:
+    """The machine in one line, as the docs give it: no commit (that is history, kept in
+    CHANGELOG.md), the version of shmloader instead."""
+    return (f"{m['cores']} cores ({m['cpu_model']}), {m['memory_bytes'] / 2**30:.1f} GiB, Python {m['python']}, "
+            f"torch {m['torch']}, numpy {m['numpy']}, {m['platform']}, shmloader {m.get('shmloader')}")
+
+
+def _digest(path: Path) -> str:
+    import hashlib
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _joined(values: list[str]) -> str:
+    return " / ".join(values)
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _head(cells: list[str]) -> list[str]:
+    """A table's heading row and the line under it."""
+    return [_row(cells), _row(["---"] * len(cells))]
+
+
+def _figure(figs: dict[str, Any] | None, *path: str, template: str = "{:,.0f}", scale: float = 1) -> str:
+    value = figs
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return "-" if value is None else template.format(value * scale)
+
+
+def throughput_markdown(document: dict[str, Any]) -> list[str]:
+    """A bench.py document (throughput.json, full.json): one row per run, the loaders'
+    figures side by side (torch first), the limit's and the ratios beside them."""
+    runs = document["runs"]
+    names = list(runs[0]["loaders"])
+    both = _joined(names)
+    ratio_names = list(runs[0]["ratios"])
+    lines = _head(["workload", "workers", "batch", f"samples/s, {both} / limit", f"GB/s, {both}",
+                   *(f"{r} samples/s" for r in ratio_names), f"of limit, {both}",
+                   f"main CPU ms per batch, {both} (whole main process)", f"first batch s, {both}",
+                   f"added MiB, {both}", f"growth MiB, {both}", f"spread, {both}"])
+    for run in runs:
+        loaders = [run["loaders"][n] for n in names]
+        main_cpu = [f"{_figure(f, 'cpu_s_per_batch', template='{:.2f}', scale=1e3)} "
+                    f"({_figure(f, 'main_cpu_s_per_batch', template='{:.2f}', scale=1e3)})" for f in loaders]
+        lines.append(_row([
+            f"`{run['preset']['name']}`: {run['preset']['sample']}",
+            str(run["settings"]["workers"]), str(run["settings"]["batch_size"]),
+            _joined([_figure(f, "samples_per_s") for f in [*loaders, run["limit"]]]),
+            _joined([_figure(f, "gb_per_s", template="{:.2f}") for f in loaders]),
+            *(f"**{_figure(run['ratios'][r], 'samples_per_s', template='{:.2f}x')}**" for r in ratio_names),
+            _joined([_figure(f, "fraction_of_limit", template="{:.0%}") for f in loaders]),
+            _joined(main_cpu),
+            _joined([_figure(f, "first_batch_s", template="{:.3f}") for f in loaders]),
+            _joined([_figure(f, "memory", "added_pss_bytes", scale=2**-20) for f in loaders]),
+            _joined([_figure(f, "memory", "growth_pss_bytes", template="{:+,.0f}", scale=2**-20) for f in loaders]),
+            _joined([_figure(f, "throughput_spread", template="{:.0%}") for f in loaders]),
+        ]))
+    settings = runs[0]["settings"]
+    lines += ["", f"Median of {settings['reps']} timed epochs of {settings['batches_per_epoch']} batches "
+                  f"(first run; every run's own in the JSON) after a warm-up epoch; "
+                  f"{_joined(runs[0]['correctness']['compared']) or 'no loader'} checked equal to "
+                  f"{runs[0]['correctness']['reference']} on the warm-up epoch."]
+    return lines
+
+
+def _shm_failure(figs: dict[str, Any]) -> str:
+    import re
+    message = re.sub(r" for file <[^>]*>", "", figs["failed"])
+    message = re.sub(r"^(\w+: )\1+", r"\1", message)  # "RuntimeError: RuntimeError: ..." once
+    return f"fails in epoch {figs['failed_in_epoch']} (`{message}`)"
+
+
+def container_markdown(document: dict[str, Any]) -> list[str]:
+    """A bench.py --shm-size document (container.json): each run in a roomy /dev/shm and
+    in the small one, one row each."""
+    runs = document["runs"]
+    names = list(next(iter(runs[0]["conditions"].values())))
+    both = _joined(names)
+    lines = _head(["workload", "workers", "batch", "/dev/shm", *(f"{n} samples/s" for n in names),
+                   "shmloader / torch", f"/dev/shm used (peak MiB), {both}", f"same batches as torch, {both}"])
+    for run in runs:
+        for condition, by_loader in run["conditions"].items():
+            figs = [by_loader.get(n, {}) for n in names]
+            rates = [f"{f['samples_per_s']:,.0f}" if "samples_per_s" in f
+                     else _shm_failure(f) if "failed" in f else "-" for f in figs]
+            ratio = "-"
+            if all("samples_per_s" in by_loader.get(n, {}) for n in ("torch", "shmloader")):
+                ratio = f"{by_loader['shmloader']['samples_per_s'] / by_loader['torch']['samples_per_s']:.2f}x"
+            shm = "roomy" if condition == "roomy" else f"{condition} (as a container's)"
+            lines.append(_row([
+                f"`{run['preset']}`", str(run["workers"]), str(run["batch_size"]), shm, *rates, ratio,
+                _joined([_figure(f, "dev_shm_peak_bytes", scale=2**-20) for f in figs]),
+                _joined([{True: "yes", False: "NO"}.get(f.get("same_batches_as_torch"), "-") for f in figs]),
+            ]))
+    lines += ["", f"{runs[0]['epochs']} epochs per loader, a plain persistent loop; samples/s is the median of "
+                  "the epochs after the first (which starts the workers)."]
+    return lines
+
+
+# What a results file holds, by the shape of its runs; None: not drawn here.
+def _kind(document: dict[str, Any]) -> str | None:
+    runs = document.get("runs") if isinstance(document, dict) else None
+    if not runs or not isinstance(runs, list) or not isinstance(runs[0], dict):
+        return None
+    if "loaders" in runs[0] and "limit" in runs[0]:
+        return "throughput"
+    if "conditions" in runs[0]:
+        return "container"
+    return None
+
+
+_RENDERERS = {"throughput": throughput_markdown, "container": container_markdown}
+
+
+def figures_section(results: Path = RESULTS) -> str:
+    """The figures section: every JSON file in `results` that this code can draw, in
+    name order, each with its command and machine; the others named."""
+    lines = [BEGIN, ""]
+    skipped = []
+    paths = sorted(results.glob("*.json")) if results.is_dir() else []
+    for path in paths:
+        try:
+            document = json.loads(path.read_text())
+        except ValueError:
+            skipped.append(path.name)
+            continue
+        kind = _kind(document)
+        if kind is None:
+            skipped.append(path.name)
+            continue
+        command = " ".join(["python", *document.get("command", ["?"])])
+        lines += [f"### `benchmarks/results/{path.name}`", "",
+                  f"<!-- source: {path.name} sha256:{_digest(path)} -->",
+                  f"`{command}` on {docs_machine_line(document['machine'])}.", "",
+                  *_RENDERERS[kind](document), ""]
+    if not paths:
+        lines += ["No results in `benchmarks/results/` when this section was written: run a benchmark "
+                  "(see [Running it](#running-it)), then `python benchmarks/report.py`.", ""]
+    if skipped:
+        lines += ["Not drawn here (no table for their kind yet): "
+                  + ", ".join(f"`benchmarks/results/{name}`" for name in skipped) + ".", ""]
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def replace_section(page: str, section: str) -> str:
+    """`page` with the text from BEGIN to END replaced by `section`."""
+    start, end = page.index(BEGIN), page.index(END) + len(END)
+    return page[:start] + section + page[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(description="Write the figures section of docs/benchmarks.md from "
+                                                 "the JSON files in benchmarks/results/.")
+    parser.add_argument("--results", type=Path, default=RESULTS, help=f"folder of JSON files (default: {RESULTS})")
+    parser.add_argument("--page", type=Path, default=DOCS_PAGE, help=f"the page to rewrite (default: {DOCS_PAGE})")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page is out of date")
+    args = parser.parse_args(argv)
+    page = args.page.read_text()
+    updated = replace_section(page, figures_section(args.results))
+    if args.check:
+        print(f"{args.page} is {'up to date' if updated == page else 'out of date'}")
+        return 0 if updated == page else 1
+    args.page.write_text(updated)
+    print(f"figures section of {args.page} written from {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
