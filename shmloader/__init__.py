@@ -1,4 +1,5 @@
 """shmloader: torch's DataLoader, with batches moved through shared-memory slots."""
+from . import _torch_api  # noqa: F401  (first: checks the torch internals used)
 from ._rings import SharedMemoryError
 from ._pool import WorkerDied
 from ._samples import SampleLayoutError

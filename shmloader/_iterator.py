@@ -30,6 +30,7 @@ from collections import deque
 from multiprocessing.connection import wait as wait_fds
 
 import torch
+from torch._utils import ExceptionWrapper
 from torch.utils.data import _utils
 from torch.utils.data.dataloader import (
     IterDataPipe,
@@ -39,7 +40,7 @@ from torch.utils.data.dataloader import (
     _sharding_worker_init_fn,
 )
 
-from . import _cuda, _layout
+from . import _cuda, _layout, _torch_api
 from ._pool import WorkerDied, WorkerPool
 from ._ring import MAX_SLOTS
 from ._resume import STATE_BYTES, Progress, carries_state, replay_message, sampler_state
@@ -68,9 +69,9 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
             else None
         init_as_torch(super().__init__, loader)  # its warnings are torch's
         self._prefetch_factor = loader.prefetch_factor
+        _torch_api.check_iterator(self)
         if self._prefetch_factor <= 0:  # torch's check, after the same draws
-            raise AssertionError(
-                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
+            raise _torch_api.prefetch_factor_error()
         loader._take_resume()  # this iterator resumes it
         # Its own record: state_dict() describes the loader's newest iterator.
         self._progress = loader._progress = Progress()
@@ -115,7 +116,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         self._device_stage = _cuda.DeviceStage(device) if device is not None else None
         # Pin the ring itself (once) where batches go to a CUDA device.
         self._register = torch.cuda.is_available() and (
-            (self._pin_memory and self._pin_memory_device == "cuda")
+            _torch_api.pins_to_cuda(self)
             or (device is not None and device.type == "cuda"))
         self._registered = False
         # Slot room beyond the batch's own for the worker state it carries.
@@ -138,6 +139,11 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         # calls a default_collate passed explicitly on each sample (and its
         # errors must be torch's).
         slot_collate = self._auto_collation and self._collate_fn is _utils.collate.default_collate
+        # The device torch's iterator gives its pin-memory thread (shmloader
+        # pins in this thread), looked up as the installed torch does, so
+        # that a pin_memory_device with no such device fails as torch's does;
+        # before the workers start, so that none is left behind then.
+        self._pin_device_id = _torch_api.pin_thread_device(self) if self._pin_memory else None
         self._pool = WorkerPool(ctx, [
             dict(
                 dataset_kind=self._dataset_kind,
@@ -573,7 +579,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         for _ in range(self._num_workers):  # find the next active worker, if any
             worker_id = next(self._worker_queue_idx_cycle)
             if self._workers_status[worker_id]:
-                if self._in_order:
+                if self._in_order or not _torch_api.IN_ORDER_FALSE_CAPS_EACH_WORKER:
                     break
                 if self._workers_num_tasks[worker_id] < max_tasks // sum(self._workers_status):
                     break
@@ -877,10 +883,18 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         batch, worker_state = self._unpack(data)
         self._progress.batch_yielded(idx, worker_id, worker_state, number)
         if self._pin_memory and not (self._registered and _kind(data) == "slot"):
-            batch = _utils.pin_memory.pin_memory(batch, self._pin_memory_device)
+            batch = self._pin(batch)
         if self._device_stage is not None:
             batch = self._device_stage(batch)
         return batch
+
+    def _pin(self, batch):
+        """torch's pin-memory thread's step: its errors come as that thread's."""
+        try:
+            return _utils.pin_memory.pin_memory(batch, self._pin_memory_device)
+        except Exception:
+            ExceptionWrapper(where=f"in pin memory thread for device {self._pin_device_id}"
+                             ).reraise()
 
     def _unpack(self, data):
         counters = self._counters

@@ -22,7 +22,7 @@ from pickle import PicklingError
 
 from torch.utils.data._utils import signal_handling
 
-from . import _one_off
+from . import _one_off, _torch_api
 from ._rings import address_space_limit
 from ._warn import warn_as_torch_worker_start
 from ._worker import NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT, WorkerConfig, worker_loop
@@ -34,23 +34,6 @@ JOIN_TIMEOUT = 5.0
 _FRAME_HEADER = struct.Struct("!i")
 # Above this, Connection writes header and payload apart; leave such messages to it.
 _ONE_WRITE_BYTES = 16384
-
-
-_TORCH_PICKLE_WARNING = (
-    "Got pickle error when attempting to start a worker Process. "
-    "This might be because the worker Process arguments are not picklable. "
-    "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
-    "to 'forkserver', which requires the worker Process arguments to be picklable. "
-    "You can also try multiprocessing.set_start_method('fork')."
-)
-
-
-_TORCH_TOO_MANY_FILES = (
-    "Too many open files. Communication with the workers is no longer possible. Please "
-    "increase the limit using `ulimit -n` in the shell or change the sharing strategy by "
-    "calling `torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning "
-    "of your code"
-)
 
 
 def _out_of_fds(error: Exception) -> bool:
@@ -145,7 +128,8 @@ class WorkerPool:
             process.start()
         except (TypeError, AttributeError, PicklingError) as e:
             # torch's, word for word and at its line, before its own error
-            warn_as_torch_worker_start(_TORCH_PICKLE_WARNING)
+            if _torch_api.PICKLE_ERROR_WARNING is not None:
+                warn_as_torch_worker_start(_torch_api.PICKLE_ERROR_WARNING)
             method = ctx.get_start_method()
             advice = (
                 f"shmloader could not start DataLoader worker {fields['worker_id']} with "
@@ -234,7 +218,7 @@ class WorkerPool:
                     messages.append((worker_id, msg))
                 except (EOFError, OSError, RuntimeError) as e:
                     if _out_of_fds(e):  # a batch of torch's transport: torch's words
-                        raise RuntimeError(_TORCH_TOO_MANY_FILES) from None
+                        raise RuntimeError(_torch_api.TOO_MANY_FILES) from None
                     if isinstance(e, RuntimeError):
                         raise
                     self.processes[worker_id].join(1.0)
