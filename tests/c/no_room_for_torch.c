@@ -1,7 +1,8 @@
-/* LD_PRELOAD shim for tests/test_slots.py: posix_fallocate fails with ENOSPC
- * for torch's shared-memory files (/dev/shm/torch_*) only, as in a /dev/shm
- * whose room shmloader's ring holds: torch raises its own "unable to allocate
- * shared memory" error, while the ring's files are untouched. */
+/* LD_PRELOAD shim for tests/test_slots.py: reserving room fails with ENOSPC
+ * for torch's shared-memory files (/dev/shm/torch_*) only, as in a full
+ * /dev/shm: torch raises its own error, while shmloader's memory is
+ * untouched.  Later torch reserves with posix_fallocate, earlier torch (2.6)
+ * with fallocate, so both are intercepted. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
@@ -29,4 +30,24 @@ int posix_fallocate64(int fd, off_t offset, off_t len) {
     static int (*real)(int, off_t, off_t);
     if (!real) real = (int (*)(int, off_t, off_t))dlsym(RTLD_NEXT, "posix_fallocate64");
     return is_torchs(fd) ? ENOSPC : real(fd, offset, len);
+}
+
+int fallocate(int fd, int mode, off_t offset, off_t len) {
+    static int (*real)(int, int, off_t, off_t);
+    if (!real) real = (int (*)(int, int, off_t, off_t))dlsym(RTLD_NEXT, "fallocate");
+    if (is_torchs(fd)) {
+        errno = ENOSPC;
+        return -1;
+    }
+    return real(fd, mode, offset, len);
+}
+
+int fallocate64(int fd, int mode, off_t offset, off_t len) {
+    static int (*real)(int, int, off_t, off_t);
+    if (!real) real = (int (*)(int, int, off_t, off_t))dlsym(RTLD_NEXT, "fallocate64");
+    if (is_torchs(fd)) {
+        errno = ENOSPC;
+        return -1;
+    }
+    return real(fd, mode, offset, len);
 }
