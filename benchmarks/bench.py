@@ -10,18 +10,19 @@ the transport-free limit of the same work measured in the same run.
 
 A run is one preset with one number of workers and one batch size. Both loaders get the
 same dataset object and the same arguments. Their first epochs run side by side and must
-yield identical batches; then the limit's workers start (see limit.py) and timed epochs
-alternate (torch, shmloader, limit, torch, ...) so that machine noise hits all of them
-alike, and the figures are medians over those repetitions. Time to first batch is measured
-afterwards on fresh non-persistent loaders (from construction to holding the first batch),
-and memory on a fresh persistent loader over a few epochs (its peak, and what is left between
-epochs: does it stay flat?), one loader at a time. Every
-run's figures go to one JSON file, with the charts next to it (see charts.py).
+yield identical batches; then the limit's workers start (see shmloader/bench/limit.py)
+and timed epochs alternate (torch, shmloader, limit, torch, ...) so that machine noise
+hits all of them alike, and the figures are medians over those repetitions. Time to first
+batch is measured afterwards on fresh non-persistent loaders (from construction to holding
+the first batch), and memory on a fresh persistent loader over a few epochs (its peak, and
+what is left between epochs: does it stay flat?), one loader at a time. This script only
+chooses the runs: the measuring is shmloader/bench/session.py's, which
+`python -m shmloader.compare` runs on a user's dataset too. Every run's figures go to one
+JSON file, with the charts next to it (see charts.py).
 See docs/benchmarks.md for what the figures mean.
 """
 import argparse
 import functools
-import gc
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -33,10 +34,12 @@ import torch.utils.data
 import charts
 import container
 import report
-from limit import TransportFreeLimit
-from measure import (BenchmarkError, Epoch, Spec, checked_warm_up, first_batch_s, interleaved, peak_memory,
-                     timed_epoch)
-from workloads import FAMILIES, PRESETS, WORKLOADS, Preset
+from workloads import FAMILIES, PRESETS, SEED, WORKLOADS, Preset
+
+from shmloader.bench import session
+from shmloader.bench.errors import BenchmarkError
+from shmloader.bench.figures import measurement_figures, ratios
+from shmloader.bench.progress import StatusLine
 
 LOADERS = ("torch", "shmloader")  # torch first: it is the reference the others are checked against
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "throughput.json"
@@ -79,66 +82,6 @@ def loader_class(name: str) -> type:
     return DataLoader
 
 
-class Progress:
-    """One status line on stderr, rewritten in place on a terminal."""
-
-    def __init__(self, prefix: str):
-        self._prefix = prefix
-        self._end = "\r" if sys.stderr.isatty() else "\n"
-        self._width = 0
-
-    def __call__(self, message: str) -> None:
-        line = f"{self._prefix} {message}"
-        if self._end == "\r":  # pad over the remains of a longer previous line
-            self._width = max(self._width, len(line))
-            line = line.ljust(self._width)
-        print(line, end=self._end, file=sys.stderr, flush=True)
-
-    def clear(self) -> None:
-        if self._end == "\r":
-            print(" " * self._width, end="\r", file=sys.stderr, flush=True)
-
-
-def throughput(makers: dict[str, Callable[..., Any]], settings: Settings, progress: Callable[[str], None]
-               ) -> tuple[Spec, int, dict[str, list[Epoch]], dict[str, Any]]:
-    """Warm-up with the equality check, then the interleaved timed epochs of persistent
-    loaders and of the transport-free limit. The loaders and the limit live only in
-    this function, so their workers are shut down when it returns. Returns (batch
-    layout, batches compared, epochs by loader name and report.LIMIT, stats)."""
-    loaders = {name: make(persistent_workers=True) for name, make in makers.items()}
-    check = ", checking that their batches are equal" if len(loaders) > 1 else ""
-    progress(f"warm-up epoch of {' and '.join(loaders)}{check}")
-    spec, compared = checked_warm_up(loaders)
-    # The limit does the reference loader's work: its dataset, its batches, its workers.
-    reference = next(iter(loaders.values()))
-    progress("start of the transport-free limit and its warm-up epoch")
-    with TransportFreeLimit(reference.dataset, list(reference.batch_sampler), reference.num_workers, spec) as limit:
-        limit.epoch()
-        runners = {name: functools.partial(timed_epoch, loader, spec) for name, loader in loaders.items()}
-        runners[report.LIMIT] = limit.epoch
-        epochs = interleaved(runners, settings.reps, progress, "timed epoch")
-    # Only shmloader has stats(); they cover the warm-up and every timed epoch.
-    stats = {name: loader.stats() if hasattr(loader, "stats") else None for name, loader in loaders.items()}
-    return spec, compared, epochs, stats
-
-
-def fresh_loader_figures(makers: dict[str, Callable[..., Any]], spec: Spec, settings: Settings,
-                         progress: Callable[[str], None]) -> tuple[dict[str, list[float]], dict[str, Any]]:
-    """Time to first batch (interleaved repetitions, each on a fresh non-persistent
-    loader) and memory (a fresh persistent loader over a few epochs: the peak, and the
-    memory left between epochs), one loader alive at a time."""
-    fresh = {name: functools.partial(make, persistent_workers=False) for name, make in makers.items()}
-    first = interleaved({name: functools.partial(first_batch_s, make, spec) for name, make in fresh.items()},
-                        settings.first_batch_reps, progress, "first batch")
-    memory = {}
-    for name, make in makers.items():
-        progress(f"{name}: {settings.memory_epochs} memory epochs")
-        gc.collect()  # so that no earlier loader's workers count in the process tree
-        memory[name] = peak_memory(functools.partial(make, persistent_workers=True), spec,
-                                   settings.memory_epochs)
-    return first, memory
-
-
 def measure_run(run: Run, classes: dict[str, type], settings: Settings, scratch: Path,
                 progress: Callable[[str], None]) -> dict[str, Any]:
     """Every figure of one run, as its JSON record."""
@@ -146,18 +89,22 @@ def measure_run(run: Run, classes: dict[str, type], settings: Settings, scratch:
     batches = preset.quick_batches if settings.quick else preset.batches
     dataset = preset.make_dataset(batches * run.batch_size, scratch)
     # The same dataset object and arguments for every loader; shuffle=False so that the
-    # loaders' batches can be compared. pin_memory=False: torch's pinning thread would
-    # count as main-process CPU, and shmloader is compared on transport alone.
-    makers = {name: functools.partial(cls, dataset, batch_size=run.batch_size, shuffle=False,
-                                      num_workers=run.workers, pin_memory=False)
-              for name, cls in classes.items()}
-    spec, compared, epochs, stats = throughput(makers, settings, progress)
-    gc.collect()
-    first, memory = fresh_loader_figures(makers, spec, settings, progress)
-    # The limit's main process only waits: it has throughput figures and nothing else.
-    limit = report.throughput_figures(epochs[report.LIMIT])
-    loaders = {name: report.figures(epochs[name], first[name], memory[name], stats[name], limit)
-               for name in classes}
+    # loaders' batches can be compared, and each loader's own generator seeded alike so
+    # that random augmentations draw the same worker seeds. pin_memory=False: torch's
+    # pinning thread would count as main-process CPU, and shmloader is compared on
+    # transport alone. Throughput and memory on persistent loaders, time to first batch
+    # on non-persistent ones (what such a loader pays every epoch).
+    makers = {}
+    for name, cls in classes.items():
+        make = functools.partial(_seeded, cls, dataset, batch_size=run.batch_size, shuffle=False,
+                                 num_workers=run.workers, pin_memory=False)
+        persistent = functools.partial(make, persistent_workers=True)
+        makers[name] = session.Makers(timed=persistent, fresh=functools.partial(make, persistent_workers=False),
+                                      memory=persistent)
+    plan = session.Plan(reps=settings.reps, first_batch_reps=settings.first_batch_reps,
+                        memory_epochs=settings.memory_epochs, limit=True)
+    measurement = session.measure(makers, plan, progress)
+    loaders, limit = measurement_figures(measurement)
     return {
         "preset": {
             "name": preset.name,
@@ -169,11 +116,16 @@ def measure_run(run: Run, classes: dict[str, type], settings: Settings, scratch:
                      "batches_per_epoch": batches, "loaders": list(classes)},
         # Every loader after the first is checked against the first, torch when it runs.
         "correctness": {"reference": next(iter(classes)), "compared": list(classes)[1:],
-                        "batches": compared},
+                        "batches": measurement.check.batches},
         "loaders": loaders,
         "limit": limit,
-        "ratios": report.ratios(loaders),
+        "ratios": ratios(loaders),
     }
+
+
+def _seeded(cls: type, dataset: Any, **kwargs: Any) -> Any:
+    """A new loader of `cls` with a generator of its own, seeded with SEED."""
+    return cls(dataset, generator=torch.Generator().manual_seed(SEED), **kwargs)
 
 
 def plan(preset_names: list[str], workers: list[int], batch_sizes: list[int] | None, quick: bool) -> list[Run]:
@@ -251,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     # The jpeg preset writes its files here; every run of this invocation shares them.
     with tempfile.TemporaryDirectory(prefix="shmloader-bench-") as scratch:
         for number, run in enumerate(runs, 1):
-            progress = Progress(f"[{number}/{len(runs)}] {run.label()}:")
+            progress = StatusLine(f"[{number}/{len(runs)}] {run.label()}:")
             try:
                 record = measure_run(run, classes, settings, Path(scratch), progress)
             except BenchmarkError as error:
@@ -276,7 +228,7 @@ def small_dev_shm(runs: list[Run], args: argparse.Namespace) -> None:
     document = report.new_document(runs=[])
     with tempfile.TemporaryDirectory(prefix="shmloader-bench-") as scratch:
         for number, run in enumerate(runs, 1):
-            progress = Progress(f"[{number}/{len(runs)}] {run.label()}:")
+            progress = StatusLine(f"[{number}/{len(runs)}] {run.label()}:")
             record = container.measure(run.preset.name, run.workers, run.batch_size, args.shm_size,
                                        args.quick, scratch, progress)
             progress.clear()

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 
 import report
-from measure import first_difference
 from workloads import PRESETS
+
+from shmloader.bench.check import first_difference
 
 HERE = Path(__file__).resolve().parent
 # Epochs per loader (full run, --quick): the first starts the workers, the rest are timed.
@@ -71,7 +72,7 @@ def _loader_class(name: str) -> type:
 
 def _first_epoch_digest(batch) -> list:
     """Enough of a batch to compare it across processes: every tensor leaf's sum."""
-    from measure import tensor_leaves
+    from shmloader.bench.measure import tensor_leaves
     return [float(t.double().sum()) for _, t in tensor_leaves(batch)]
 
 

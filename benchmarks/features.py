@@ -35,9 +35,13 @@ import torch.utils.data
 from shmloader import DataLoader as ShmDataLoader
 
 import report
-from bench import Progress
-from measure import BenchmarkError, Spec, checked_warm_up, consume, first_batch_s, interleaved, timed_epoch
 from workloads import PRESETS, SEED, CostDataset, random_pool, spin_loops_per_ms, uneven_costs
+
+from shmloader.bench.check import checked_warm_up
+from shmloader.bench.errors import BenchmarkError
+from shmloader.bench.figures import throughput_figures
+from shmloader.bench.measure import Spec, consume, first_batch_s, interleaved, timed_epoch
+from shmloader.bench.progress import StatusLine
 
 WORKERS = 2
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "features.json"
@@ -222,7 +226,7 @@ def uneven_variant(busy: bool, costs: list[float], settings: Settings, loops_per
     before = {name: loader.stats() for name, loader in live.items() if isinstance(loader, ShmDataLoader)}
     epochs = interleaved({name: functools.partial(timed_epoch, loader, spec) for name, loader in live.items()},
                          settings.uneven_reps, progress, f"{kind} epoch")
-    figures = {name: report.throughput_figures(epochs[name]) for name in live}
+    figures = {name: throughput_figures(epochs[name]) for name in live}
     for name, stats in before.items():
         figures[name]["wait_fraction"] = wait_fraction(stats, live[name].stats())
     torch_rate = figures["torch"]["samples_per_s"]
@@ -336,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
             "uneven": (uneven, uneven_table),
         }
         for number, (name, (measure_section, table)) in enumerate(sections.items(), 1):
-            progress = Progress(f"[{number}/{len(sections)}]")
+            progress = StatusLine(f"[{number}/{len(sections)}]")
             try:
                 document[name] = measure_section(settings, progress)
             except BenchmarkError as error:

@@ -12,9 +12,9 @@ copy, so the workers stream almost nothing; a sleep in one sample of each batch 
 the batches out without using a core. Each row is both loaders over the same dataset
 object, 2 workers, persistent, the consumer reading one element per tensor as bench.py's
 does; figures are main-process CPU (time.process_time) per batch less the consumer's own,
-as bench.py reports it, median of 3 epochs
-after a warm-up one, the two loaders' epochs interleaved (see measure.interleaved), with
-each loader's own time between batches beside it (torch's back to back is slower).
+as bench.py reports it, median of 3 epochs after a warm-up one, the two loaders' epochs
+interleaved (see shmloader/bench/measure.py), with each loader's own time between
+batches beside it (torch's back to back is slower).
 If the CPU per batch grows with the interval alone, it is the cost of running the same
 code on caches that other processes have since filled (the main process sleeps in
 poll() between batches), not work that grows with batch bytes. Figures go to
@@ -31,9 +31,9 @@ import torch
 from torch.utils.data import Dataset
 
 import report
-from measure import batch_spec, interleaved, timed_epoch
 
 import shmloader
+from shmloader.bench.measure import batch_spec, interleaved, timed_epoch
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "main_cpu.json"
 WORKERS = 2

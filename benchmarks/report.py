@@ -14,7 +14,8 @@ from typing import Any
 import numpy
 import torch
 
-from measure import Epoch, psutil
+from shmloader.bench.measure import Epoch
+from shmloader.bench.memory import psutil
 
 import shmloader
 

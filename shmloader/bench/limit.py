@@ -29,12 +29,12 @@ import torch
 from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
-from measure import BenchmarkError, Epoch, Spec, consume
-
-from shmloader._arena import streams_rows
-from shmloader._malloc import keep_freed_memory
-from shmloader._ring import Ring, copy_stream
-from shmloader._rings import SHM_DIR
+from .._arena import streams_rows
+from .._malloc import keep_freed_memory
+from .._ring import Ring, copy_stream
+from .._rings import SHM_DIR
+from .errors import BenchmarkError
+from .measure import Epoch, Spec, consume
 
 ALIGN = 64  # bytes: each leaf starts on a cache line, as in shmloader's slots
 
