@@ -1,8 +1,9 @@
-/* LD_PRELOAD shim for tests/test_slots.py: reserving room fails with ENOSPC
- * for torch's shared-memory files (/dev/shm/torch_*) only, as in a full
- * /dev/shm: torch raises its own error, while shmloader's memory is
- * untouched.  Later torch reserves with posix_fallocate, earlier torch (2.6)
- * with fallocate, so both are intercepted. */
+/* LD_PRELOAD shim for tests/test_slots.py: sizing torch's shared-memory
+ * files (/dev/shm/torch_*) fails with ENOSPC, as in a full /dev/shm, while
+ * shmloader's memory is untouched: torch raises its own "unable to resize
+ * file" error.  ftruncate, because every torch calls it first; a later torch
+ * would fail its posix_fallocate next in a really full /dev/shm, and torch
+ * 2.6, which reserves nothing, would die of SIGBUS on writing. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
@@ -20,34 +21,22 @@ static int is_torchs(int fd) {
     return strstr(target, "/torch_") != NULL;
 }
 
-int posix_fallocate(int fd, off_t offset, off_t len) {
-    static int (*real)(int, off_t, off_t);
-    if (!real) real = (int (*)(int, off_t, off_t))dlsym(RTLD_NEXT, "posix_fallocate");
-    return is_torchs(fd) ? ENOSPC : real(fd, offset, len);
-}
-
-int posix_fallocate64(int fd, off_t offset, off_t len) {
-    static int (*real)(int, off_t, off_t);
-    if (!real) real = (int (*)(int, off_t, off_t))dlsym(RTLD_NEXT, "posix_fallocate64");
-    return is_torchs(fd) ? ENOSPC : real(fd, offset, len);
-}
-
-int fallocate(int fd, int mode, off_t offset, off_t len) {
-    static int (*real)(int, int, off_t, off_t);
-    if (!real) real = (int (*)(int, int, off_t, off_t))dlsym(RTLD_NEXT, "fallocate");
-    if (is_torchs(fd)) {
+static int no_room(int fd, off_t length) {
+    if (length > 0 && is_torchs(fd)) {
         errno = ENOSPC;
-        return -1;
+        return 1;
     }
-    return real(fd, mode, offset, len);
+    return 0;
 }
 
-int fallocate64(int fd, int mode, off_t offset, off_t len) {
-    static int (*real)(int, int, off_t, off_t);
-    if (!real) real = (int (*)(int, int, off_t, off_t))dlsym(RTLD_NEXT, "fallocate64");
-    if (is_torchs(fd)) {
-        errno = ENOSPC;
-        return -1;
-    }
-    return real(fd, mode, offset, len);
+int ftruncate(int fd, off_t length) {
+    static int (*real)(int, off_t);
+    if (!real) real = (int (*)(int, off_t))dlsym(RTLD_NEXT, "ftruncate");
+    return no_room(fd, length) ? -1 : real(fd, length);
+}
+
+int ftruncate64(int fd, off_t length) {
+    static int (*real)(int, off_t);
+    if (!real) real = (int (*)(int, off_t))dlsym(RTLD_NEXT, "ftruncate64");
+    return no_room(fd, length) ? -1 : real(fd, length);
 }
