@@ -1,5 +1,5 @@
-"""The measuring library of shmloader's benchmarks (benchmarks/): one definition of every
-figure.
+"""The measuring library of shmloader's benchmarks (benchmarks/) and of
+`python -m shmloader.compare`: one definition of every figure.
 
     measure    one loader: an epoch (throughput, main-process CPU, time waiting for data)
                and the first batch of a new loader
@@ -8,7 +8,10 @@ figure.
     limit      the transport-free limit: the workers' work with no hand-off
     session    the whole sequence over a set of loaders, in an order that keeps them apart
     figures    medians and ratios from what session measured
+    machine    the machine and versions; record: the JSON record around the figures
     progress   status line and progress bar on stderr
+    factory, preflight, verdict, plot: compare's command line, its checks of a dataset
+               before any loader starts, its table and conclusion, its chart
     errors     how a measurement fails; the bench extra (psutil, pillow, matplotlib)
 
 Nothing is imported here, and the bench extra's packages only where they are used, so

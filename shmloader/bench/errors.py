@@ -26,11 +26,14 @@ class InputError(ValueError):
 
 def user_trace() -> str:
     """The traceback of the exception being handled, less the frames of this package and
-    of the import machinery: where the user's code failed."""
+    of the import machinery: where the user's code failed ("" where it failed in none of
+    its frames, a call with the wrong arguments, say: the message says it all)."""
     kind, error, tb = sys.exc_info()
     here = str(Path(__file__).parent)
     frames = [frame for frame in traceback.extract_tb(tb)
               if not frame.filename.startswith((here, "<frozen "))]
+    if not frames:
+        return ""
     return "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames),
                     *traceback.format_exception_only(kind, error)])
 
