@@ -5,6 +5,8 @@ from ._pool import WorkerDied
 from ._samples import SampleLayoutError
 from ._stats import LoaderStats
 from .dataloader import DataLoader
+from .shared_list import SharedList
 
-__all__ = ["DataLoader", "LoaderStats", "SampleLayoutError", "SharedMemoryError", "WorkerDied"]
+__all__ = ["DataLoader", "LoaderStats", "SampleLayoutError", "SharedList", "SharedMemoryError",
+           "WorkerDied"]
 __version__ = "0.1.0"

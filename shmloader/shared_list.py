@@ -266,8 +266,8 @@ def _write(fd: int, data, position: int) -> None:
             if e.errno not in (errno.ENOSPC, errno.ENOMEM):
                 raise
             raise SharedMemoryError(
-                f"SharedList ran out of shared memory ({e.strerror}) after {position} bytes "
-                f"of its entries: {_memory.available()[1]}. Free memory, or give the process "
+                f"SharedList ran out of shared memory ({e.strerror}) after writing {position} "
+                f"bytes of its segment: {_memory.available()[1]}. Free memory, or give the process "
                 "more (a container's memory limit, docker: --memory; where memfd_create is "
                 f"refused, the size of {SHM_DIR})."
             ) from e
