@@ -28,7 +28,7 @@ SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults
 RATIO = (3 / 4, 4 / 3)
 
 
-def ensure_tree(root: Path) -> Path:
+def ensure_tree(root: Path, images_per_class: int = IMAGES_PER_CLASS) -> Path:
     """root/class_XX/image_XXXX.jpg, written unless already there (the presets of a
     run share one tree)."""
     if root.is_dir():
@@ -37,7 +37,7 @@ def ensure_tree(root: Path) -> Path:
     for label in range(CLASSES):
         folder = root / f"class_{label:02d}"
         folder.mkdir(parents=True)
-        for i in range(IMAGES_PER_CLASS):
+        for i in range(images_per_class):
             width, height = SIZES[i % len(SIZES)]
             Image.fromarray(synthetic_photo(rng, width, height)).save(folder / f"image_{i:04d}.jpg", quality=QUALITY)
     return root
@@ -76,15 +76,15 @@ class JpegFolderDataset(Dataset):
         return torch.from_numpy(np.array(image)).permute(2, 0, 1), label
 
 
-def random_resized_crop(image: Image.Image, generator: torch.Generator) -> Image.Image:
+def random_resized_crop(image: Image.Image, generator: torch.Generator | None) -> Image.Image:
     left, top, width, height = crop_box(image.width, image.height, generator)
     # Pillow crops and resizes in one pass when given a box.
     return image.resize((CROP, CROP), Image.Resampling.BILINEAR, box=(left, top, left + width, top + height))
 
 
-def crop_box(width: int, height: int, generator: torch.Generator) -> tuple[int, int, int, int]:
+def crop_box(width: int, height: int, generator: torch.Generator | None) -> tuple[int, int, int, int]:
     """(left, top, width, height): torchvision's RandomResizedCrop.get_params, drawing
-    from `generator`."""
+    from `generator` (None: torch's global generator, as torchvision draws)."""
     area = width * height
     log_ratio = (math.log(RATIO[0]), math.log(RATIO[1]))
     for _ in range(10):

@@ -4,9 +4,13 @@ A synthetic sample is a clone of an array from a small pool generated once,
 deterministically, when the dataset is built: producing a sample then costs the same
 copy whichever loader asks for it, and the values are reproducible, so the loaders'
 batches can be compared for equality. The `jpeg` preset decodes real files instead,
-written into the run's scratch folder (see jpeg_folder.py). CostDataset adds a set cost
-to every sample, for the benchmarks of loader features (see features.py).
+written into the run's scratch folder (see jpeg_folder.py), and so does `imagefolder`,
+the user-style dataset of imagefolder_example.py (outside the six workloads: bench.py
+runs it when named). CostDataset adds a set cost to every sample, for the benchmarks of
+loader features (see features.py). preset_dataset() hands a preset's dataset to
+`python -m shmloader.compare`.
 """
+import tempfile
 import time
 from dataclasses import dataclass
 from math import prod
@@ -14,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 POOL_SIZE = 8
 NUM_CLASSES = 1000
@@ -193,6 +197,27 @@ def jpeg_preset() -> Preset:
     )
 
 
+def make_imagefolder_dataset(length: int, scratch: Path) -> Dataset:
+    import imagefolder_example  # Pillow is needed by this preset only
+    import jpeg_folder
+
+    dataset = imagefolder_example.make_dataset(scratch / "imagefolder", -(-length // jpeg_folder.CLASSES))
+    return dataset if len(dataset) == length else Subset(dataset, range(length))
+
+
+def imagefolder_preset() -> Preset:
+    return Preset(
+        name="imagefolder",
+        description="imagefolder_example.py: ImageFolder of ~500x375 JPEGs, random-resized-crop 224 + flip "
+                    "(torch's global generator), to float, normalised -> float32 3x224x224",
+        batch_size=64,
+        batches=20,
+        quick_batches=5,
+        sample_bytes=3 * 224 * 224 * 4,
+        make_dataset=make_imagefolder_dataset,
+    )
+
+
 SIZE_SWEEP = "size-sweep"
 # (name suffix, shape, batches, quick batches): float32 samples of about 1 KB to 12 MB,
 # with epochs of about 2 s for torch at batch 16 (0.5 s with --quick).
@@ -219,8 +244,24 @@ PRESETS = {p.name: p for p in [
     tensor_preset("tiny", (256,), torch.float32, batch_size=64, batches=4000, quick_batches=600),
     multi_field_preset(),
     jpeg_preset(),
+    imagefolder_preset(),
     *size_sweep_presets(),
 ]}
 # The six workloads of docs/benchmarks.md, which --quick runs; a full run adds the sweep.
 WORKLOADS = ("uint8-224", "f32-512", "uint8-1024", "tiny", "multi-field", "jpeg")
 FAMILIES = {SIZE_SWEEP: tuple(name for name, p in PRESETS.items() if p.family == SIZE_SWEEP)}
+
+# Where preset_dataset's jpeg and imagefolder presets write their files, kept for the next run.
+DEFAULT_SCRATCH = Path(tempfile.gettempdir()) / "shmloader-bench"
+
+
+def preset_dataset(name: str, length: int, scratch: str = str(DEFAULT_SCRATCH)) -> Dataset:
+    """A preset's dataset of `length` samples, as bench.py builds it, for
+    `python -m shmloader.compare`:
+
+        python -m shmloader.compare --dataset benchmarks/workloads.py:preset_dataset \\
+            --dataset-args '{"name": "jpeg", "length": 768}' --batch-size 128 --persistent-workers
+    """
+    if name not in PRESETS:
+        raise ValueError(f"there is no preset {name!r}; the presets are {', '.join(PRESETS)}")
+    return PRESETS[name].make_dataset(length, Path(scratch))
