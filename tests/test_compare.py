@@ -461,7 +461,13 @@ def record_with(torch_rate: float, shm_rate: float, torch_wait: float, shm_wait:
 def test_conclusion_of_a_data_bound_loop_that_shmloader_unblocks():
     assert verdict.conclusion(record_with(1000, 2600, 0.62, 0.04)) == (
         "your loop waits for data 62% of the time with torch, 4% with shmloader: shmloader delivers 2.60x "
-        "torch's samples/s, and shmloader saves 1.50 ms of main-process CPU per batch.")
+        "torch's samples/s and saves 1.50 ms of main-process CPU per batch.")
+
+
+def test_conclusion_of_a_loop_data_bound_with_both_loaders():
+    assert verdict.conclusion(record_with(1000, 1300, 0.99, 0.98)) == (
+        "shmloader delivers 1.30x torch's samples/s and saves 1.50 ms of main-process CPU per batch (your loop "
+        "waits for data 99% of the time with torch, 98% with shmloader).")
 
 
 def test_conclusion_of_a_pipeline_bound_by_the_dataset():
