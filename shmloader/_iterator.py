@@ -70,8 +70,7 @@ class ShmLoaderIter(WarnsBetweenBatches, _BaseDataLoaderIter):
         init_as_torch(super().__init__, loader)  # its warnings are torch's
         self._prefetch_factor = loader.prefetch_factor
         _torch_api.check_iterator(self)
-        if self._prefetch_factor <= 0:  # torch's check, after the same draws
-            raise _torch_api.prefetch_factor_error()
+        _torch_api.check_prefetch_factor(self._prefetch_factor)  # after the same draws
         loader._take_resume()  # this iterator resumes it
         # Its own record: state_dict() describes the loader's newest iterator.
         self._progress = loader._progress = Progress()

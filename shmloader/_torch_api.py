@@ -109,8 +109,15 @@ TOO_MANY_FILES = _constant(_MP_ITER._try_get_data, "Too many open files") or (
 IN_ORDER_FALSE_CAPS_EACH_WORKER = "_workers_num_tasks" in _MP_ITER._try_put_index.__code__.co_names
 
 
-def prefetch_factor_error() -> AssertionError:
-    return AssertionError(PREFETCH_FACTOR_MESSAGE) if PREFETCH_FACTOR_MESSAGE else AssertionError()
+def check_prefetch_factor(prefetch_factor) -> None:
+    """torch's check as its workers' iterator starts, which compares in
+    either order (a None left from num_workers=0 fails in the comparison,
+    whose TypeError names the operator)."""
+    if PREFETCH_FACTOR_MESSAGE is not None:
+        if prefetch_factor <= 0:
+            raise AssertionError(PREFETCH_FACTOR_MESSAGE)
+    elif not prefetch_factor > 0:
+        raise AssertionError()
 
 
 def pins_to_cuda(iterator) -> bool:
