@@ -44,8 +44,9 @@ _MAGIC = b"shmlist1"
 _HEADER = struct.Struct("=8sQQ")  # magic, entry count, data bytes
 _OFFSET_BYTES = 8  # a uint64, array "Q"
 # Entries encoded (building), or decoded (iterating, comparing), at a time:
-# bounds what those hold beside the segment to a few MB.
-_CHUNK = 1 << 16
+# what those hold beside the segment, about 2 MB for 2 M ImageFolder entries
+# (2 % of their segment; 1 << 16 took 12 %, for no faster build).
+_CHUNK = 1 << 13
 
 _PLAIN = frozenset({str, bytes, int, float, bool, type(None)})
 _PLAIN_OR_TUPLE = _PLAIN | {tuple}
