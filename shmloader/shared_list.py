@@ -228,8 +228,9 @@ def _build(entries) -> int:
         source = iter(entries)
         for first in range(0, count, _CHUNK):
             chunk = list(islice(source, _CHUNK))
-            if len(chunk) < min(_CHUNK, count - first):
-                raise RuntimeError("SharedList: the entries changed size while being stored")
+            if len(chunk) < min(_CHUNK, count - first):  # (offsets past them would be 0)
+                raise ValueError(f"SharedList: the entries' len() is {count}, but iterating "
+                                 f"them gave {first + len(chunk)}")
             if not _all_plain(chunk):
                 chunk = _as_plain(chunk, first)
             encoded = list(map(marshal.dumps, chunk))

@@ -206,6 +206,22 @@ def test_an_empty_list_and_a_generator():
     assert SharedList(f"{i}.jpg" for i in range(3)) == ["0.jpg", "1.jpg", "2.jpg"]
 
 
+class _Overstated:
+    """A sized iterable whose len() says more than it gives."""
+
+    def __len__(self):
+        return 10
+
+    def __iter__(self):
+        return iter(range(7))
+
+
+def test_entries_fewer_than_their_len_are_an_error_not_a_list_with_holes():
+    with mock.patch.object(shared_list, "_CHUNK", 4), \
+            pytest.raises(ValueError, match=r"len\(\) is 10, but iterating them gave 7"):
+        SharedList(_Overstated())
+
+
 def test_no_process_can_change_the_entries():
     shared = SharedList([("a.jpg", 1)])
     with pytest.raises(TypeError):
