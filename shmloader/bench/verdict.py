@@ -57,7 +57,8 @@ def title(record: dict[str, Any]) -> str:
                  if args.get(name))]
     step = f", a {settings['step_ms']:g} ms step per batch" if settings["step_ms"] else ""
     return (f"torch DataLoader vs shmloader on {record['dataset']['call']}: {', '.join(options)}; "
-            f"{settings['batches_per_epoch']:,} batches per epoch{step}; medians of {settings['epochs']} epochs")
+            f"{settings['batches_per_epoch']:,} batches per epoch{step}; "
+            + ("one timed epoch each" if settings["epochs"] == 1 else f"medians of {settings['epochs']} epochs"))
 
 
 def check_line(check: dict[str, Any]) -> str:
