@@ -153,8 +153,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     loaders, _ = measurement_figures(measurement)
     check = measurement.check
     record.update({
-        "dataset": {"factory": args.dataset, "args": dataset_args, "call": factory.call_text(args.dataset, dataset_args),
-                    "type": type(dataset).__name__,
+        "dataset": {"factory": args.dataset, "args": dataset_args,
+                    "call": factory.call_text(args.dataset, dataset_args), "type": type(dataset).__name__,
                     "kind": "iterable" if isinstance(dataset, torch.utils.data.IterableDataset) else "map-style"},
         "loader_args": {**kwargs, "collate_fn": args.collate_fn, "worker_init_fn": args.worker_init_fn},
         "settings": {"epochs": args.epochs, "first_batch_reps": args.epochs, "max_batches": args.max_batches,

@@ -100,10 +100,9 @@ def make_dataset(spec: str, kwargs: dict[str, Any]) -> Any:
         hint = " (check --dataset-args)" if isinstance(error, TypeError) else ""
         raise InputError(f"--dataset: {call} raised {type(error).__name__}: {error}{hint}", user_trace()) \
             from None
-    if isinstance(dataset, torch.utils.data.IterableDataset):
+    # torch's DataLoader takes any Dataset, and as a map-style one any object with both.
+    if isinstance(dataset, torch.utils.data.Dataset) or all(hasattr(dataset, a) for a in ("__getitem__", "__len__")):
         return dataset
-    if isinstance(dataset, torch.utils.data.Dataset) or (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-        return dataset  # map-style: torch's DataLoader takes any object with both
     hint = (" (an iterator: return an IterableDataset whose __iter__ yields its samples)"
             if hasattr(dataset, "__next__") else "")
     raise InputError(f"--dataset: {call} returned {_describe(dataset)}, not a Dataset{hint}: the factory must return a "
