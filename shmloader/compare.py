@@ -150,9 +150,24 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         print(f"{PROG}: a loader failed while measuring: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     progress.clear()
+    record.update(_figures(args, dataset, dataset_args, kwargs, measurement, why))
+    record["conclusion"] = conclusion(record)
+    print(table(record) + "\n\n" + record["conclusion"])
+    if args.json is not None:
+        write_json(record, args.json)
+        print(f"figures written to {args.json}")
+    if args.plot is not None:
+        plot.write(record, args.plot)
+        print(f"chart written to {args.plot}")
+    return 1 if measurement.check.mismatch is not None else 0
+
+
+def _figures(args: argparse.Namespace, dataset: Any, dataset_args: dict[str, Any], kwargs: dict[str, Any],
+             measurement: session.Measurement, why: str) -> dict[str, Any]:
+    """The record's body: what was measured, how, and every figure."""
     loaders, _ = measurement_figures(measurement)
     check = measurement.check
-    record.update({
+    return {
         "dataset": {"factory": args.dataset, "args": dataset_args,
                     "call": factory.call_text(args.dataset, dataset_args), "type": type(dataset).__name__,
                     "kind": "iterable" if isinstance(dataset, torch.utils.data.IterableDataset) else "map-style"},
@@ -164,16 +179,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
                   "batches": check.batches, "mismatch": check.mismatch},
         "loaders": loaders,
         "ratios": ratios(loaders),
-    })
-    record["conclusion"] = conclusion(record)
-    print(table(record) + "\n\n" + record["conclusion"])
-    if args.json is not None:
-        write_json(record, args.json)
-        print(f"figures written to {args.json}")
-    if args.plot is not None:
-        plot.write(record, args.plot)
-        print(f"chart written to {args.plot}")
-    return 1 if check.mismatch is not None else 0
+    }
 
 
 def loader_kwargs(args: argparse.Namespace) -> dict[str, Any]:
