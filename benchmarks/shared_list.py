@@ -39,7 +39,7 @@ from shmloader import SharedList
 LOADERS = {"torch": torch.utils.data.DataLoader, "shmloader": shmloader.DataLoader}
 CLASSES = 1000
 BATCH_SIZE = 1000
-MB = 1 << 20
+MIB = 1 << 20
 
 
 def make_index(entries: int) -> list:
@@ -141,20 +141,20 @@ def report(figures: dict) -> None:
     peak = segment + build["build_heap_peak_bytes"]
     print(f"index: {figures['entries']} (path, class) entries; {figures['workers']} workers, "
           f"batch_size={BATCH_SIZE}, shuffle=True, fork; load average before "
-          f"{figures['load_before']}, after {figures['load_after']} on {os.cpu_count()} CPUs")
-    print("\nper-worker USS growth over one epoch (MB, each worker), USS at its end (MB), "
+          f"{figures['load_before']:.1f}, after {figures['load_after']:.1f} on {os.cpu_count()} CPUs")
+    print("\nper-worker USS growth over one epoch (MiB, each worker), USS at its end (MiB), "
           "epoch (s):")
     for row in figures["epochs"]:
-        growth = ", ".join(f"{g / MB:.1f}" for g in row["growth"])
-        end = ", ".join(f"{u / MB:.0f}" for u in row["uss_at_end"])
+        growth = ", ".join(f"{g / MIB:.1f}" for g in row["growth"])
+        end = ", ".join(f"{u / MIB:.0f}" for u in row["uss_at_end"])
         print(f"  {row['loader']:9} {row['index']:10} growth {growth:>14}   "
               f"USS at end {end:>10}   {row['epoch_s']:.1f} s")
     print(f"\nbuilding the SharedList: {build['build_s']:.2f} s (median of "
           f"{', '.join(f'{t:.2f}' for t in build['build_s_all'])}), "
           f"{build['build_cpu_s']:.2f} s of CPU")
-    print(f"  entries' content {content / MB:.1f} MB; segment {segment / MB:.1f} MB "
+    print(f"  entries' content {content / MIB:.1f} MiB; segment {segment / MIB:.1f} MiB "
           f"({segment / content:.2f}x); segment + the build's heap at its peak "
-          f"{peak / MB:.1f} MB ({peak / content:.2f}x)")
+          f"{peak / MIB:.1f} MiB ({peak / content:.2f}x)")
     calls = figures["getitem"]
     print(f"\nCPU per call over shuffled indices: list[i] {calls['list_ns']:.0f} ns, "
           f"sl[i] {calls['shared_ns']:.0f} ns")
