@@ -18,7 +18,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shmloader
@@ -147,6 +147,7 @@ entry_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3).m
                             max_leaves=6)
 
 
+@settings(deadline=None)  # no timing in tests: a loaded machine may take any time
 @given(entries=st.lists(entry_values, max_size=12),
        positions=st.lists(st.integers(-14, 14), max_size=6),
        slices=st.lists(st.tuples(st.none() | st.integers(-14, 14), st.none() | st.integers(-14, 14),
