@@ -13,6 +13,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from ._iter_receive import _discard
 from ._pool import WorkerDied
+from ._protocol import Resume
 from ._resume import Progress, replay_message, sampler_state
 from ._sampler_state import PrefetchedEpoch, can_prefetch
 from ._seeding import positions_in
@@ -217,14 +218,13 @@ class EpochPlanning:
         the number of an epoch whose prefetched batches are dropped; workers
         that fetched some go back to their RNG state from before them."""
         for i in range(self._num_workers):
-            self._pool.send(i, ("resume", self._shared_seed, rewind))
+            self._pool.send(i, Resume.wire(self._shared_seed, rewind))
         pending = self._num_workers
         while pending:
             task_id, payload = self._next_arrival()
             if task_id is None:
                 pending -= 1
-                _, worker_id, rng_state = payload
-                self._progress.worker_resumed(worker_id, rng_state)
+                self._progress.worker_resumed(payload.worker_id, payload.rng_state)
             else:
                 _discard(payload)
         # Every worker published or gave up its old tasks before it answered:

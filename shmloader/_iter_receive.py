@@ -11,6 +11,7 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data import _utils
 
 from . import _layout
+from ._protocol import NO_RING, RING_FULL, Error
 from ._rings import reserve_in_background
 
 
@@ -19,7 +20,7 @@ class Receiving:
 
     def _next_arrival(self):
         """(task_id, payload) of the next result from any worker, or
-        (None, ("resumed", ...)); sleeps until one comes, a worker dies, or the
+        (None, Resumed); sleeps until one comes, a worker dies, or the
         timeout passes."""
         while not self._arrivals:
             self._collect()
@@ -89,8 +90,8 @@ class Receiving:
                     more.append(other)
         del self._row_errors[task_id]
         payload.release()
-        first = min(errors, key=lambda row: (errors[row][1], row))
-        return task_id, ("error", task_id, errors[first][0])
+        first = min(errors, key=lambda row: (errors[row].collating, row))
+        return task_id, Error._make(Error.wire(task_id, errors[first].wrapper, None))
 
     def _acquire_all(self):
         leases = []
@@ -100,15 +101,16 @@ class Receiving:
         return leases
 
     def _accept(self, worker_id, msg):
-        """The arrival (task_id or None, msg) for a worker's pipe message, or
-        None for a row's error (kept until its slot arrives)."""
-        kind = msg[0]
+        """The arrival (task_id or None, msg) for a worker's pipe message (a
+        record of _protocol.py), or None for a row's error (kept until its
+        slot arrives)."""
+        kind = msg.kind
         if kind == "resumed":
             return None, msg
         if kind == "row_error":
-            self._row_errors.setdefault(msg[1], {})[msg[2]] = msg[3:5]
+            self._row_errors.setdefault(msg.task_id, {})[msg.row] = msg
             return None
-        needed = msg[4] if kind == "batch" else msg[3] if kind == "segment" else 0
+        needed = msg.slot_bytes_needed if kind == "batch" or kind == "segment" else 0
         if needed:  # measured: only with slot_bytes=None (see WorkerConfig)
             # The first batch sizes the ring, with headroom for batches that
             # vary a little.  The ring is made at the next next() call, so
@@ -126,7 +128,7 @@ class Receiving:
                     handover.learned_slot_bytes = learned
             elif needed > self._ring.slot_bytes - self._state_bytes:
                 self._grow_for(learned)
-        return msg[1], msg
+        return msg.task_id, msg
 
     def _get_data(self):
         """(epoch index, data) of the next result of this epoch."""
@@ -163,11 +165,11 @@ class Receiving:
                 if not self._reserve_rest_in:
                     reserve_in_background(self._ring)
         elif kind == "segment":
-            lease = data[5]  # a one-off segment's (see _one_off.py)
+            lease = data.lease  # a one-off segment's (see _one_off.py)
         else:  # "batch": pickled by torch
-            counters.samples += data[5]
-            self._count_outside_ring(data[2], data[6])
-            return data[3], data[6]
+            counters.samples += data.samples
+            self._count_outside_ring(data.reason, data.state)
+            return data.data, data.state
         if lease.meta_len == 0:  # filled row by row (fetch="sample")
             meta = self._handover.sample_layout.meta(lease.rows)
         else:
@@ -177,15 +179,15 @@ class Receiving:
         counters.fallback_leaves += fallback_leaves
         counters.samples += samples
         if kind == "segment":
-            self._count_outside_ring(data[2], worker_state)
+            self._count_outside_ring(data.reason, worker_state)
         return batch, worker_state
 
     def _count_outside_ring(self, reason: str, worker_state) -> None:
         """Count a batch that came outside the ring, and why."""
         counters = self._counters
-        if reason == "no_ring":
+        if reason == NO_RING:
             counters.unsized_batches += 1
-        elif reason == "ring_full":
+        elif reason == RING_FULL:
             counters.ring_full_batches += 1
         else:
             counters.spilled_batches += 1
@@ -241,9 +243,9 @@ def _wait_fds(fds, timeout):
 
 
 def _kind(payload) -> str:
-    """A result is a worker's message tuple ("batch", "error", "stop", ...)
-    or, for a batch in the ring, the SlotLease of its slot."""
-    return payload[0] if type(payload) is tuple else "slot"
+    """A result is a worker's message, a record of _protocol.py (Batch,
+    Error, Stop, ...), or, for a batch in the ring, the SlotLease of its slot."""
+    return payload.kind if isinstance(payload, tuple) else "slot"
 
 
 def _discard(payload) -> None:

@@ -9,10 +9,10 @@ import torch
 
 from . import _cuda, _torch_api
 from ._iter_receive import _kind
+from ._protocol import MEASURE, NO_SLOT, Probe, UseLayout
 from ._resume import STATE_BYTES, carries_state
 from ._ring import MAX_SLOTS
 from ._rings import create_ring, retire, slots_that_fit, smaller_ring_message
-from ._worker import MEASURE, NO_SLOT
 
 # Slots beyond the prefetch_factor * num_workers batches in flight: the batch
 # being yielded, the one the loop still holds, and two a user may keep (the
@@ -99,7 +99,7 @@ class RingKeeping:
                                "batches are pinned by torch's copy instead.", "warned_register")
         self._pool.send_ring(self._ring)
         if self._fetch == "sample":
-            self._pool.broadcast(("layout", self._handover.sample_layout))
+            self._pool.broadcast(UseLayout.wire(self._handover.sample_layout))
         self._counters.use_ring(self._ring, self._num_workers)
 
     def _create_ring(self, slot_bytes: int):
@@ -134,7 +134,7 @@ class RingKeeping:
         Returns None, or the first sample's error (which becomes this
         batch's result)."""
         capacity = self._batch_size or len(index)
-        self._pool.broadcast(("probe", task_id, index, epoch, position, capacity))
+        self._pool.broadcast(Probe.wire(task_id, index, epoch, position, capacity))
         earlier = []  # results of tasks sent before this one (an empty batch's)
         while True:
             arrived, payload = self._next_arrival()
@@ -144,7 +144,7 @@ class RingKeeping:
         self._arrivals.extendleft(reversed(earlier))
         if _kind(payload) == "error":
             return payload
-        layout = payload[2]
+        layout = payload.layout
         if self._slot_bytes is not None and self._slot_bytes < layout.slot_bytes:
             raise ValueError(
                 f"slot_bytes={self._slot_bytes} is too small for fetch='sample' "

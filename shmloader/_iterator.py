@@ -42,6 +42,7 @@ from torch.utils.data.dataloader import (
 
 from . import _torch_api
 from ._pool import WorkerDied, WorkerPool
+from ._protocol import Rows, Task
 from ._resume import Progress
 from ._rings import retire
 from ._seeding import countable
@@ -94,7 +95,7 @@ class ShmLoaderIter(RingKeeping, EpochPlanning, Receiving, WarnsBetweenBatches,
         self._epoch_base = 0  # task id of this epoch's first task
         self._send_idx = 0
         self._arrivals = deque()
-        self._row_errors = {}  # fetch="sample": task id -> {row: (ExceptionWrapper, collating)}
+        self._row_errors = {}  # fetch="sample": task id -> {row: its RowError}
         self._init_ring(loader)
         self._start_workers(loader, resume)
         self._next_epoch_at = None  # epoch index of the next epoch's first task
@@ -236,11 +237,11 @@ class ShmLoaderIter(RingKeeping, EpochPlanning, Receiving, WarnsBetweenBatches,
         slot = self._claim_slot()
         if rows and slot >= 0 and len(index) <= self._handover.sample_layout.capacity:
             self._ring.rows_begin(slot, task_id, len(index), first_row)
-            self._pool.broadcast(("rows", task_id, slot, index, epoch, position, first_row))
+            self._pool.broadcast(Rows.wire(task_id, slot, index, epoch, position, first_row))
         else:
             # Everything else goes whole to one worker (a batch bigger than
             # the layout's rows is collated into the slot, or spills).
-            self._pool.send(worker_id, ("task", task_id, index, slot, epoch, position))
+            self._pool.send(worker_id, Task.wire(task_id, index, slot, epoch, position))
         return None
 
     def _next_data(self):
@@ -321,7 +322,7 @@ class ShmLoaderIter(RingKeeping, EpochPlanning, Receiving, WarnsBetweenBatches,
             if _kind(data) == "stop":
                 worker_id = self._task_info[idx][0]
                 self._workers_status[worker_id] = False
-                self._progress.worker_ran_out(worker_id, data[2])
+                self._progress.worker_ran_out(worker_id, data.state)
                 if not self._persistent_workers:
                     self._pool.stop(worker_id)
                 self._try_put_index()
@@ -351,8 +352,8 @@ class ShmLoaderIter(RingKeeping, EpochPlanning, Receiving, WarnsBetweenBatches,
                 _discard(data)
                 return _REPLAYED
         if _kind(data) == "error":
-            self._progress.batch_yielded(idx, worker_id, data[3] if len(data) > 3 else None, number)
-            data[2].reraise()
+            self._progress.batch_yielded(idx, worker_id, data.state, number)
+            data.wrapper.reraise()
         batch, worker_state = self._unpack(data)
         self._progress.batch_yielded(idx, worker_id, worker_state, number)
         if self._pin_memory and not (self._registered and _kind(data) == "slot"):

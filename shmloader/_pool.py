@@ -23,9 +23,10 @@ from pickle import PicklingError
 from torch.utils.data._utils import signal_handling
 
 from . import _one_off, _torch_api
+from ._protocol import EXIT, NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT, RingFds, from_worker
 from ._rings import address_space_limit
 from ._warn import warn_as_torch_worker_start
-from ._worker import NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT, WorkerConfig, worker_loop
+from ._worker import WorkerConfig, worker_loop
 
 # Like torch's MP_STATUS_CHECK_INTERVAL: how long shutdown waits for workers
 # to exit on their own before terminating them.
@@ -190,7 +191,7 @@ class WorkerPool:
         for i, conn in enumerate(self._tasks):
             if i in self._exiting:
                 continue
-            self.send(i, ("ring",))
+            self.send(i, RingFds.wire())
             with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 sendfds(s, list(ring.fds))
 
@@ -199,7 +200,7 @@ class WorkerPool:
         self._exiting.add(worker_id)
         self._update_wait_fds()
         try:
-            self._tasks[worker_id].send(None)
+            self._tasks[worker_id].send(EXIT)
         except OSError:
             pass
 
@@ -212,9 +213,9 @@ class WorkerPool:
             worker_id = self._conn_of_fd.get(fd)
             if worker_id is not None:
                 try:
-                    msg = self._results[worker_id].recv()
-                    if msg[0] == "segment":  # its fds follow in the stream
-                        msg += (_one_off.receive(self._results[worker_id]),)
+                    msg = from_worker(self._results[worker_id].recv())
+                    if msg.kind == "segment":  # its fds follow in the stream
+                        msg = msg._replace(lease=_one_off.receive(self._results[worker_id]))
                     messages.append((worker_id, msg))
                 except (EOFError, OSError, RuntimeError) as e:
                     if _out_of_fds(e):  # a batch of torch's transport: torch's words
@@ -260,7 +261,7 @@ class WorkerPool:
             told = []
             for p, conn in zip(self.processes, self._tasks):
                 try:
-                    conn.send(None)
+                    conn.send(EXIT)
                     told.append(p)
                 except OSError:
                     pass  # gone, or its pipe end finalized already: nothing to wait for

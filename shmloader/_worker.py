@@ -15,39 +15,7 @@ whoever writes the last row publishes the slot.  Which rows are whose:
 "dynamic", each worker claims the next unwritten row (a CAS in the slot's
 descriptor) until none is left.
 
-Protocol (main -> worker, over the worker's task socket):
-    ("ring",)                        followed by the segment fd and eventfd
-    ("layout", SampleLayout)         fetch="sample": the batch layout
-    ("task", task_id, index, slot, epoch, position)
-                                     a whole batch; slot >= 0, NO_SLOT or MEASURE;
-                                     position: epoch position of its first sample
-    ("rows", task_id, slot, index, epoch, position, first_row)
-                                     fetch="sample": this worker's rows of a batch
-    ("probe", task_id, index, epoch, position, capacity)
-                                     fetch="sample", no ring yet: fetch this
-                                     worker's rows of the batch and keep them; the
-                                     worker with row 0 describes the layout
-    ("resume", shared_seed, rewind)  a new epoch of persistent workers; rewind: the
-                                     number of an epoch whose prefetched tasks were
-                                     dropped (go back to the RNG state from before
-                                     them), or None
-    None                             exit
-Worker -> main, over the worker's result pipe:
-    ("segment", task_id, reason, slot_bytes_needed or 0, samples)
-                                     followed by a one-off segment's fds (see
-                                     _one_off.py); reason: "no_ring", "spill"
-                                     (both measured) or "ring_full"
-    ("batch", task_id, reason, data, slot_bytes_needed or 0, samples, state or None)
-                                     the same, pickled by torch: a batch that
-                                     cannot be laid out in shared memory
-    ("error", task_id, ExceptionWrapper[, worker state after it (see _resume)])
-    ("row_error", task_id, row, ExceptionWrapper, collating)
-                                                  sent before the row is counted done;
-                                                  collating: it failed writing the row
-                                                  (the layout), not fetching the sample
-    ("layout", task_id, SampleLayout)
-    ("stop", task_id, state or None) an IterableDataset ran out
-    ("resumed", worker_id, RNG states or None)
+The messages both ways, and what each field holds: see _protocol.py.
 
 A whole batch carries the worker's state after it (see _resume.py), in its
 slot's metadata or its pipe message, unless nothing in it can differ
@@ -83,6 +51,9 @@ from torch.utils.data.graph_settings import apply_random_seed
 from . import _layout, _one_off
 from ._arena import Arena, SlotCollate, slot_bytes_needed
 from ._malloc import keep_freed_memory
+from ._protocol import (EXIT, MEASURE, NO_RING, NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT,
+                        NO_SLOT, RING_FULL, SPILL, Batch, Described, Error, Resumed, RingFds,
+                        RowError, Segment, Stop, from_main)
 from ._resume import (STATE_BYTES, carries_state, plain_worker_state, restore_worker_rng,
                       worker_snapshot)
 from ._ring import Ring
@@ -91,9 +62,6 @@ from ._samples import SampleLayout
 from ._sampler_state import attribute
 from ._seeding import Samples
 from ._worker_exit import exit_now, orphaned, set_exit_handlers
-
-NO_SLOT = -1  # every slot is held: a one-off segment (see _one_off.py)
-MEASURE = -2  # no ring yet: a one-off segment, and report the size needed
 
 # Without pidfds: how often a waiting worker checks that its main process lives.
 WATCHDOG_INTERVAL = 1.0
@@ -159,8 +127,8 @@ class _Inbox:
 
     def _read_available(self, timeout):
         while self._conn.poll(timeout):
-            msg = self._conn.recv()
-            if msg is not None and msg[0] == "ring":
+            msg = from_main(self._conn.recv())
+            if msg is not EXIT and msg.kind == "ring":
                 # The fds follow the message in the stream: take them now.
                 try:
                     with socket.fromfd(self._conn.fileno(), socket.AF_UNIX,
@@ -193,12 +161,15 @@ class _Inbox:
             self._read_available(0)
         self._read_available(0)
         if self.ring_fds is not None:
-            return ("ring",)
+            return _RING_FDS
         return self._pending.popleft()
 
     def superseded(self) -> bool:
         """True when an exit is already queued behind the current task."""
-        return any(m is None for m in self._pending)
+        return any(m is EXIT for m in self._pending)
+
+
+_RING_FDS = RingFds._make(RingFds.wire())
 
 
 def _seed(cfg: WorkerConfig) -> int:
@@ -260,13 +231,6 @@ class _Busy:
         if slots is not None:
             slots.ring.worker_add(self._worker_id, *pending)
             self._pending = [0, 0, 0, 0]
-
-
-# A worker's exit status when the ring's fds did not reach it or could not be
-# mapped (no room for more open files), or when its address space had no room
-# for the ring: the main process names the cause (see _pool._exit_description).
-NO_RING_FDS_EXIT = 75
-NO_RING_MAPPING_EXIT = 76
 
 
 class _NoRingFds(Exception):
@@ -376,23 +340,23 @@ def _run(cfg: WorkerConfig) -> None:
     iteration_end = False
     while True:
         msg = inbox.next()
-        if msg is None:
+        if msg is EXIT:
             if inbox.manager_gone:
                 orphaned()
             break
-        kind = msg[0]
+        kind = msg.kind
         if kind == "ring":
             work.slots = _Slots(inbox.ring_fds)
             inbox.ring_fds = None
             continue
         if kind == "layout":
-            work.layout = msg[1]
+            work.layout = msg.layout
             continue
         if kind == "resume":
             iteration_end = False
-            work.rewind(msg[2])
+            work.rewind(msg.rewind)
             if isinstance(dataset, IterDataPipe):
-                shared_rng.manual_seed(msg[1])
+                shared_rng.manual_seed(msg.shared_seed)
                 dataset = apply_random_seed(dataset, shared_rng)
             try:
                 fetcher, fetcher_error = make_fetcher(), None
@@ -400,23 +364,23 @@ def _run(cfg: WorkerConfig) -> None:
                 fetcher, fetcher_error = None, ExceptionWrapper(where=where)
             # With the RNG states the old epoch's last tasks left (a new
             # epoch's dataset state starts afresh): where this epoch begins.
-            cfg.results.send(("resumed", cfg.worker_id,
-                              worker_snapshot(None) if work.snapshots else None))
+            cfg.results.send(Resumed.wire(cfg.worker_id,
+                                          worker_snapshot(None) if work.snapshots else None))
             continue
         stale = iteration_end or inbox.superseded()
         if not stale:
-            work.enter_epoch(msg[3] if kind == "probe" else msg[4])
+            work.enter_epoch(msg.epoch)
         if kind == "rows":
-            reply = work.rows(*msg[1:], stale=stale, error=fetcher_error)
+            reply = work.rows(msg, stale=stale, error=fetcher_error)
         elif kind == "probe":
-            reply = None if stale else work.probe(*msg[1:], error=fetcher_error)
+            reply = None if stale else work.probe(msg, error=fetcher_error)
         elif stale:
-            reply = work.give_back(msg[3])
+            reply = work.give_back(msg.slot)
         elif fetcher is None:
-            work.give_back(msg[3])
-            reply = ("error", msg[1], fetcher_error)
+            work.give_back(msg.slot)
+            reply = Error.wire(msg.task_id, fetcher_error, None)
         else:
-            reply, iteration_end = work.batch(fetcher, *msg[1:])
+            reply, iteration_end = work.batch(fetcher, msg)
         if isinstance(reply, bytes):
             cfg.results.send_bytes(reply)
         elif reply is not None:
@@ -510,9 +474,12 @@ class _Work:
 
     # ---- a whole batch ------------------------------------------------------
 
-    def batch(self, fetcher, task_id, index, slot, epoch, position):
-        """Fetch and deliver one batch.  Returns (pipe reply or None, iteration_end)."""
+    def batch(self, fetcher, task):
+        """Fetch and deliver one batch (a Task).  Returns (pipe reply or None,
+        iteration_end)."""
         cfg = self.cfg
+        task_id, index, slot = task.task_id, task.index, task.slot
+        epoch, position = task.epoch, task.position
         self.busy.start()
         arena = None
         if slot >= 0:
@@ -520,7 +487,7 @@ class _Work:
                 arena = self.slots.arena(slot, STATE_BYTES if self.snapshots else 0)
             except OSError as e:  # memory ran out since the ring was made
                 self.give_back(slot)
-                return ("error", task_id, self._shm_full(e)), False
+                return Error.wire(task_id, self._shm_full(e), None), False
         if self.slot_collate is not None:
             self.slot_collate.arena = arena
         try:
@@ -534,11 +501,11 @@ class _Work:
                 # With the worker's RNG states: the draws of a partial batch
                 # that drop_last discarded are part of where the next epoch
                 # starts (the dataset's own state is not: it starts afresh).
-                return ("stop", task_id, worker_snapshot(None) if self.snapshots else None), True
+                return Stop.wire(task_id,
+                                 worker_snapshot(None) if self.snapshots else None), True
             # With the worker's state: the draws made before the error are
             # part of where a resume starts (an error is a yielded item).
-            return ("error", task_id, self._batch_error(e),
-                    self._snapshot()), False
+            return Error.wire(task_id, self._batch_error(e), self._snapshot()), False
         samples = self.collate_fn.samples
         state = self._snapshot()
         if arena is not None and (self.slot_collate is None or self.slot_collate.arena is not None):
@@ -552,7 +519,7 @@ class _Work:
                 self.busy.add(self.slots, samples, 1, arena.used)
                 self.slots.ring.publish(slot, task_id, meta_off, meta_len)
                 return None, False
-        reason = {NO_SLOT: "ring_full", MEASURE: "no_ring"}.get(slot, "spill")
+        reason = {NO_SLOT: RING_FULL, MEASURE: NO_RING}.get(slot, SPILL)
         # What it takes in a slot: the size of its one-off segment, and of
         # the ring to make (or to make when the next epoch starts: this one
         # outgrew it).
@@ -566,14 +533,15 @@ class _Work:
                                          STATE_BYTES if self.snapshots else 0)
             except OSError as e:  # no memory for it
                 self.give_back(slot)
-                return ("error", task_id, self._shm_full(e)), False
+                return Error.wire(task_id, self._shm_full(e), None), False
             except Exception:
                 pass  # SlotFull, or something unpicklable: torch's path decides below
             else:
                 self.give_back(slot)
                 self.busy.add(self.slots, samples, 1, needed)
-                _one_off.send(cfg.results, ("segment", task_id, reason,
-                                            needed if measured else 0, samples), segment)
+                _one_off.send(cfg.results, Segment.wire(task_id, reason,
+                                                        needed if measured else 0, samples),
+                              segment)
                 return None, False
         needed = needed if measured else 0
         try:
@@ -582,10 +550,10 @@ class _Work:
             # tensors stacked into the slot are copied out, since the slot is
             # given back below and may be refilled at once.
             reply, shared_bytes = _layout.dumps_detached(
-                ("batch", task_id, reason, data, needed, samples, state),
+                Batch.wire(task_id, reason, data, needed, samples, state),
                 arena.owns if arena is not None else None)
         except Exception as e:
-            reply, shared_bytes = ("error", task_id, self._batch_error(e)), 0
+            reply, shared_bytes = Error.wire(task_id, self._batch_error(e), None), 0
         self.give_back(slot)
         self.busy.add(self.slots, samples, 1,
                       len(reply) + shared_bytes if isinstance(reply, bytes) else 0)
@@ -593,7 +561,7 @@ class _Work:
 
     # ---- fetch="sample" -------------------------------------------------------
 
-    def probe(self, task_id, index, epoch, position, capacity, error):
+    def probe(self, probe, error):
         """The loader's first batch, before there is a ring: fetch this
         worker's interleaved share of its samples and keep them for their
         rows.  The worker with row 0 describes the layout its sample fixes as
@@ -601,6 +569,7 @@ class _Work:
         goes on fetching.  Returns None: the layout (or row 0's error) is sent
         from inside the loop."""
         cfg = self.cfg
+        task_id, index, epoch, position = probe.task_id, probe.index, probe.epoch, probe.position
         fetched = {}  # row -> sample, or the ExceptionWrapper of its failure
         self.probed = (task_id, fetched)
         for row in range((cfg.worker_id - position) % cfg.num_workers, len(index),
@@ -615,16 +584,16 @@ class _Work:
             fetched[row] = sample
             self.busy.add(self.slots, 1, 0, 0)
             if row == 0:
-                send(cfg.results, self._describe(task_id, sample, capacity))
+                send(cfg.results, self._describe(task_id, sample, probe.capacity))
         return None
 
     def _describe(self, task_id, sample, capacity):
         if isinstance(sample, ExceptionWrapper):
-            return ("error", task_id, sample)
+            return Error.wire(task_id, sample, None)
         try:
-            return ("layout", task_id, SampleLayout(sample, capacity))
+            return Described.wire(task_id, SampleLayout(sample, capacity))
         except Exception:
-            return ("error", task_id, ExceptionWrapper(where=self.where))
+            return Error.wire(task_id, ExceptionWrapper(where=self.where), None)
 
     def _my_rows(self, task_id, slot, nrows, position, first_row, fetched):
         """This worker's rows of a task, in order: those it fetched before the
@@ -640,10 +609,12 @@ class _Work:
                 if row >= first_row:
                     yield row
 
-    def rows(self, task_id, slot, index, epoch, position, first_row, stale, error):
-        """Write this worker's rows of a batch; rows of a stale task are
-        counted done unwritten, so that the slot still completes and goes
-        back.  Returns None: errors go out as they happen."""
+    def rows(self, task, stale, error):
+        """Write this worker's rows of a batch (a Rows task); rows of a stale
+        task are counted done unwritten, so that the slot still completes and
+        goes back.  Returns None: errors go out as they happen."""
+        task_id, slot, index = task.task_id, task.slot, task.index
+        epoch, position = task.epoch, task.position
         ring = self.slots.ring
         memory = storage = None
         if not stale:
@@ -654,7 +625,7 @@ class _Work:
         fetched = self.probed[1] if self.probed is not None and self.probed[0] == task_id \
             else {}
         self.probed = None
-        for row in self._my_rows(task_id, slot, len(index), position, first_row, fetched):
+        for row in self._my_rows(task_id, slot, len(index), position, task.first_row, fetched):
             failed = collating = False
             if not stale:
                 self.busy.start()
@@ -669,11 +640,11 @@ class _Work:
                     self.layout.write_row(memory, storage, row, sample, index[row])
                 except _Reraised as e:
                     failed = True
-                    send(self.cfg.results, ("row_error", task_id, row, e.wrapper, False))
+                    send(self.cfg.results, RowError.wire(task_id, row, e.wrapper, False))
                 except Exception:
                     failed = True
-                    send(self.cfg.results, ("row_error", task_id, row,
-                                            ExceptionWrapper(where=self.where), collating))
+                    send(self.cfg.results, RowError.wire(
+                        task_id, row, ExceptionWrapper(where=self.where), collating))
                 self.busy.add(self.slots, 0 if row in fetched else 1, 0,
                               0 if failed else self.layout.sample_bytes)
             ring.row_done(slot, failed)

@@ -617,7 +617,7 @@ def test_resource_limits_give_errors_that_name_them(limit):
 
 def test_a_worker_that_cannot_map_the_ring_names_the_address_space_limit():
     from shmloader._pool import _exit_description
-    from shmloader._worker import NO_RING_MAPPING_EXIT
+    from shmloader._protocol import NO_RING_MAPPING_EXIT
 
     class Exited:
         exitcode = NO_RING_MAPPING_EXIT
