@@ -101,6 +101,7 @@ class _Watch:
         assert not problems, "; ".join(problems[:10]) + f" ({len(problems)} problems) [{series}]"
 
 
+@pytest.mark.slow
 def test_many_iterators_partly_consumed_and_dropped():
     loader = DataLoader(Images(64), batch_size=4, num_workers=2,
                         multiprocessing_context="fork")
@@ -121,6 +122,7 @@ def test_many_iterators_partly_consumed_and_dropped():
     watch.check()
 
 
+@pytest.mark.slow
 def test_many_loaders_partly_iterated_and_deleted():
     rng = random.Random(2)
 
@@ -142,6 +144,7 @@ def test_many_loaders_partly_iterated_and_deleted():
     watch.check()
 
 
+@pytest.mark.slow
 def test_many_epochs_of_persistent_workers():
     loader = DataLoader(Images(64), batch_size=4, num_workers=2, persistent_workers=True,
                         multiprocessing_context="fork")

@@ -12,7 +12,11 @@ import shmloader
 from shmloader import _cuda
 from shmloader._ring import FREE, READING, Ring
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+def needs_cuda(test):
+    """A test on a CUDA device: marked `cuda`, skipped on a machine without one."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    return pytest.mark.cuda(skip(test))
 
 
 class FakeFence:

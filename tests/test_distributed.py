@@ -140,6 +140,7 @@ def _launch_ranks(out_dir):
     assert all(p.returncode == 0 for p in procs), report
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_distributed_sampler_two_ranks(tmp_path):
     _launch_ranks(tmp_path)
@@ -198,6 +199,7 @@ def interleave(cls, epochs=2):
     return out
 
 
+@pytest.mark.slow
 def test_loaders_interleaved_in_one_process():
     expected = interleave(TorchDataLoader)
     got = interleave(ShmDataLoader)
@@ -231,6 +233,7 @@ def _child_interleave(out_path, barrier):
         raise
 
 
+@pytest.mark.slow
 def test_loaders_in_two_processes_at_once(tmp_path):
     # fork: both children start from the same interpreter state (same RNG states, same counters),
     # the worst case for segment-name collisions.

@@ -293,6 +293,7 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_same_output(name):
     make_dataset, kw = SCENARIOS[name]
@@ -319,6 +320,7 @@ def test_in_order_false_same_multiset(make_dataset, kw):
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size", [2, None], ids=["batches", "samples"])
 def test_in_order_false_yields_each_workers_batches_in_its_order(batch_size):
     """torch's one result queue never reorders a worker's batches, even with
@@ -346,6 +348,7 @@ MP_SCENARIOS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 @pytest.mark.parametrize("name", list(MP_SCENARIOS))
 def test_start_methods(method, name):
@@ -353,6 +356,7 @@ def test_start_methods(method, name):
     check(make_dataset, num_workers=2, multiprocessing_context=method, **kw)
 
 
+@pytest.mark.slow
 def test_start_method_context_object():
     ctx = multiprocessing.get_context("spawn")
     check(P(D.WorkerStateMap, 6), batch_size=2, num_workers=2, multiprocessing_context=ctx,
@@ -435,6 +439,7 @@ def _profiled_batch_events(cls, kind):
     return len(events), batches
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", [D.RNGMap, D.ShardedIterable])
 def test_profiler_sees_every_batch_like_torch(kind):
     """shmloader skips torch's per-batch record_function only while no profiler
@@ -577,6 +582,7 @@ def _run_failing(cls, *, num_workers, persistent, exc, mode, context=None):
 @pytest.mark.parametrize("mode", ["abandon", "continue"])
 @pytest.mark.parametrize(
     "num_workers, persistent", [(0, False), (2, False), (2, True)], ids=["w0", "w2", "w2-persistent"])
+@pytest.mark.slow
 def test_worker_exception(exc, mode, num_workers, persistent):
     t = _run_failing(TorchDataLoader, num_workers=num_workers, persistent=persistent, exc=exc, mode=mode)
     s = _run_failing(ShmDataLoader, num_workers=num_workers, persistent=persistent, exc=exc, mode=mode)
@@ -584,6 +590,7 @@ def test_worker_exception(exc, mode, num_workers, persistent):
     D.assert_same(t, s, "events")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_worker_exception_start_methods(method):
     kw = dict(num_workers=2, persistent=True, exc="KeyError", mode="continue", context=method)
@@ -656,6 +663,7 @@ def _run_timeout(cls):
     return got
 
 
+@pytest.mark.slow
 def test_timeout_raises_like_torch():
     """torch's error where a batch never comes.  The batches before it come first, unless a
     loaded machine kept one longer than the 1 s timeout too (it bounds each wait): each
@@ -884,6 +892,7 @@ def test_leaves_arrive_as_torchs_transport_delivers_them():
                 (e[key].is_neg(), e[key].is_conj(), e[key].stride()), f"batch {b} {key}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_sampler_changing_the_dataset_when_it_starts(context):
     """A sampler whose iteration sets the dataset's epoch (curriculum style): workers are
@@ -1059,6 +1068,7 @@ def _torch_gives_no_warning(case):
     shuffle=st.booleans(),
     iterable=st.booleans(),
 )
+@pytest.mark.slow
 def test_len_and_single_process_output(n, batch_size, drop_last, shuffle, iterable):
     """num_workers=0 behaves exactly like torch (cheap enough for property testing)."""
     if batch_size is None:
@@ -1080,6 +1090,7 @@ def test_len_and_single_process_output(n, batch_size, drop_last, shuffle, iterab
     num_workers=st.integers(1, 3),
     iterable=st.booleans(),
 )
+@pytest.mark.slow
 def test_multiprocess_grid(n, batch_size, drop_last, num_workers, iterable):
     assume(iterable or n > 0)  # shuffle=True: RandomSampler rejects n=0 (see INVALID)
     make = P(D.LenIterable, n) if iterable else P(D.RNGMap, n)
@@ -1258,6 +1269,7 @@ def test_a_non_leaf_tensor_that_requires_grad_is_refused_as_torchs_pickling_refu
 
 @pytest.mark.parametrize("dtype, error", [(torch.bits8, TypeError),
                                           (torch.quint8, NotImplementedError)])
+@pytest.mark.slow
 def test_bit_and_quantized_dtypes_fail_default_collate_as_torch_and_pass_a_custom_one(dtype,
                                                                                        error):
     """torch's default collate cannot stack bits8 (it raises a TypeError making the shared
@@ -1358,6 +1370,7 @@ class _ImagesAndPoints(tud.Dataset):
     [dict(num_slots=2), dict(slot_bytes=4096), dict(slot_bytes=4096, num_slots=2)],
     ids=["few-slots", "tiny-slots", "tiny-and-few"],
 )
+@pytest.mark.slow
 def test_slot_knobs_do_not_change_output(shm_kw):
     """Batches larger than a slot are still delivered whole; a user holding every batch (list())
     with few slots neither deadlocks nor sees data change."""

@@ -331,6 +331,7 @@ def _report(result):
 
 # ---- the tests -----------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ctx, persistent, how, when", _main_matrix())
 def test_main_process_ends(scenarios, ctx, persistent, how, when):
     r = scenarios.result(("main", ctx, persistent, how, when))
@@ -361,6 +362,7 @@ def test_main_process_ends(scenarios, ctx, persistent, how, when):
     assert not problems, "; ".join(problems) + f" (exit after {r['exit_s']} s)" + _output(r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ctx, persistent, fault", _worker_matrix())
 def test_worker_fails(scenarios, ctx, persistent, fault):
     r = scenarios.result(("worker", ctx, persistent, fault))

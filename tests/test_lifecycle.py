@@ -33,6 +33,7 @@ pytestmark = pytest.mark.usefixtures("views_only")
 HANG = 120
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["delete", "break", "exhaust", "exception"])
 def test_workers_gone_and_nothing_left(how):
     fds = open_fds()
@@ -65,6 +66,7 @@ def test_workers_gone_and_nothing_left(how):
     assert open_fds() <= fds
 
 
+@pytest.mark.slow
 def test_persistent_workers_gone_when_loader_deleted():
     loader = DataLoader(Images(32), batch_size=4, num_workers=2, persistent_workers=True)
     for _ in range(2):
@@ -76,6 +78,7 @@ def test_persistent_workers_gone_when_loader_deleted():
     assert our_segments() == []
 
 
+@pytest.mark.slow
 def test_kept_batches_outlive_loader_unchanged():
     loader = DataLoader(Images(40), batch_size=4, num_workers=2, slot_bytes=1 << 16)
     kept = list(loader)
@@ -150,6 +153,7 @@ def _in_forked_child(work):
     return result
 
 
+@pytest.mark.slow
 def test_forked_child_dropping_its_loader_leaves_the_parents_batches():
     """A child forked between epochs (to save a checkpoint, say) that drops its copy of
     the loader must not touch the ring the parent's next epoch fills: torch's parent
@@ -177,6 +181,7 @@ def test_forked_child_dropping_its_loader_leaves_the_parents_batches():
     assert got == _expected_batches(32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("persistent", [False, True], ids=["non_persistent", "persistent"])
 def test_forked_child_iterating_its_loader_uses_workers_of_its_own(persistent):
     """A child forked between epochs that iterates its copy of the loader gets every
@@ -245,6 +250,7 @@ def test_own_workers_keep_the_batches_held_when_forked():
     assert [s for batch in got for s in batch] == [want[i % 4] for i in range(48)]
 
 
+@pytest.mark.slow
 def test_fork_while_a_thread_writes_a_held_batch_loses_no_write():
     """Before a fork the held slots become private memory. A thread that writes the batch
     meanwhile (torch lets go of the GIL in its kernels) must find every write it made in the
@@ -277,6 +283,7 @@ def test_fork_while_a_thread_writes_a_held_batch_loses_no_write():
         del batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("persistent", [False, True])
 def test_batch_kept_after_its_loader_is_gone_keeps_only_its_slot(persistent):
     """A batch kept past its loader (one logged batch of a validation loader) keeps its own
@@ -356,6 +363,7 @@ def test_other_loaders_workers_keep_the_batches_held_when_forked():
     assert all(torch.equal(x, y) for x, y in zip(got, want)), "B's worker saw A's later batches"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_worker_exception_reraised_and_next_epoch_works(context):
     loader = DataLoader(Failing(24, bad=9), batch_size=4, num_workers=2,
@@ -389,6 +397,7 @@ def test_a_finished_non_persistent_iterator_kept_has_no_workers():
     del it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSEGV, signal.SIGTERM])
 def test_worker_killed_by_signal_names_pid_and_signal(signum):
     loader = DataLoader(Dying(64, at=20, signum=int(signum)), batch_size=2, num_workers=2)
@@ -447,6 +456,7 @@ def test_worker_death_then_new_epoch_works():
     assert len(list(loader)) == 32
 
 
+@pytest.mark.slow
 def test_timeout_raises_like_torch():
     # No batch ever comes within the timeout (the shutdown terminates the sleeping workers).
     loader = DataLoader(Sleepy(8, seconds=600), batch_size=2, num_workers=2, timeout=0.3)
@@ -454,6 +464,7 @@ def test_timeout_raises_like_torch():
         next(iter(loader))
 
 
+@pytest.mark.slow
 def test_many_iterators_do_not_grow_fds_or_children():
     loader = DataLoader(Images(16), batch_size=4, num_workers=2)
     list(loader)  # sizes the ring, which the loader then keeps
@@ -532,6 +543,7 @@ def main_process(script, *args):
         proc.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_main_process_killed_workers_exit(context, signum):
@@ -557,6 +569,7 @@ SIGCHLD_IGNORED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_ignored_sigchld_leaves_every_epoch_whole_like_torch():
     """A process that ignores SIGCHLD: torch's iterator puts its own SIGCHLD handler in
     place, so exited workers can be waited for; every epoch ends cleanly."""
@@ -598,6 +611,7 @@ LIMITED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit", ["files", "address_space"])
 def test_resource_limits_give_errors_that_name_them(limit):
     """Too few open files (batches outside the ring bring their segment's fds) or too
@@ -643,6 +657,7 @@ WATCHED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_workers_leave_a_main_process_with_many_files_open_when_it_dies():
     """A worker forked from a process with more than 1024 files open watches it through an
     fd above select()'s limit; busy in __getitem__ when the process is killed, it leaves
@@ -699,6 +714,7 @@ def test_unpicklable_dataset_raising_its_own_error_class_like_torch():
     assert "multiprocessing_context='fork'" in raised[1].__notes__[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_unpicklable_dataset_is_clear_error_and_leaves_nothing(context):
     loader = DataLoader(_Unpicklable(8), batch_size=4, num_workers=2,
@@ -748,6 +764,7 @@ INTERRUPTED_SHUTDOWN_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_shutting_down_still_ends_the_workers():
     """As torch's shutdown (terminate in a finally): Ctrl-C while the shutdown waits for a
     worker busy in a slow sample still ends every worker, and closes their fds (torch
@@ -792,6 +809,7 @@ BACKGROUND_THREAD_AT_EXIT_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_background_thread_iterating_at_exit_leaves_multiprocessing_its_exit():
     """The main thread returns while a daemon thread iterates: multiprocessing's exit
     handler ends the workers; the thread's iterator must not close them under it (which
@@ -823,6 +841,7 @@ TRAINING_THREAD_OUTLIVING_MAIN_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_training_thread_outliving_the_main_thread_ends_each_epochs_workers():
     """A non-daemon thread that trains after the main thread returned: the interpreter is
     not exiting yet, so each epoch's workers are shut down as usual."""

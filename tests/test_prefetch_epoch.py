@@ -89,6 +89,7 @@ def check(ordered=True, shm=None, **kw):
 
 
 # --------------------------------------------------------------------------- adopted
+@pytest.mark.slow
 def test_random_sampler_with_generator_adopted():
     """Nothing changes between epochs: epochs 1 and 2 are the prefetched ones, and equal torch's,
     worker RNG draws (RNGMap) included."""
@@ -96,11 +97,13 @@ def test_random_sampler_with_generator_adopted():
     assert stats.prefetched_epochs == 2
 
 
+@pytest.mark.slow
 def test_sequential_sampler_adopted():
     stats = check(epochs=3)
     assert stats.prefetched_epochs == 2
 
 
+@pytest.mark.slow
 def test_distributed_sampler_set_epoch_each_epoch_adopted():
     """The usual DistributedSampler loop: set_epoch(e) before each epoch.  The prefetch called
     set_epoch(e) already, so the call changes nothing and the prefetch stands."""
@@ -162,12 +165,14 @@ def test_next_epochs_sampler_failing_in_the_prefetch():
     D.assert_same(expected, epochs(prefetching()), "epochs")
 
 
+@pytest.mark.slow
 def test_custom_sampler_with_set_epoch_adopted():
     stats = check(sampler=P(D.EpochRandomSampler, N, 2), on_epoch=lambda e, g, s: s.set_epoch(e))
     assert stats.prefetched_epochs == 2
     assert stats.dropped_prefetched_batches == 0
 
 
+@pytest.mark.slow
 def test_prefetch_off_by_default():
     stats = check(shm=ShmDataLoader, shuffle=True, generator_seed=3)
     assert stats.prefetched_epochs == 0
@@ -175,6 +180,7 @@ def test_prefetch_off_by_default():
 
 
 # --------------------------------------------------------------------------- discarded
+@pytest.mark.slow
 def test_reseeded_generator_discards_prefetch():
     """The user reseeds the generator before every epoch: each prefetch was drawn from the old
     state, so it must be dropped and the epoch drawn again."""
@@ -184,6 +190,7 @@ def test_reseeded_generator_discards_prefetch():
     assert stats.dropped_prefetched_batches == 8
 
 
+@pytest.mark.slow
 def test_reseeded_once_discards_only_that_epoch():
     def reseed_before_epoch_1(e, g, s):
         if e == 1:
@@ -194,6 +201,7 @@ def test_reseeded_once_discards_only_that_epoch():
     assert stats.dropped_prefetched_batches == 4
 
 
+@pytest.mark.slow
 def test_reseeded_to_same_state_is_adopted():
     """Reseeding to exactly the state the prefetch left (a no-op for the sampler) keeps it:
     equal states are equal."""
@@ -212,6 +220,7 @@ def test_reseeded_to_same_state_is_adopted():
     assert stats.prefetched_epochs == 2
 
 
+@pytest.mark.slow
 def test_list_sampler_reshuffled_in_place_discards_prefetch():
     """sampler= a plain list of indices (torch takes any iterable) that the user reshuffles
     in place before every epoch: the prefetch drew from the old order, so it is dropped."""
@@ -225,6 +234,7 @@ def test_list_sampler_reshuffled_in_place_discards_prefetch():
     assert len(orders) == 3 and stats.prefetched_epochs == 0
 
 
+@pytest.mark.slow
 def test_weights_changed_in_place_discard_prefetch():
     """WeightedRandomSampler's weights (a tensor) edited in place between epochs."""
     def reweight(e, g, s):
@@ -282,6 +292,7 @@ class _SlotsSampler(tud.Sampler):
         return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist())
 
 
+@pytest.mark.slow
 def test_state_changed_in_nested_containers_or_slots_discards_prefetch():
     """A sampler's state may sit in a list of lists, a dict of dicts, or __slots__: changed
     in place (or, for an epoch in __slots__, left as it was) it is seen, and every epoch is
@@ -346,6 +357,7 @@ class _NumpyRngSampler(tud.Sampler):
         return iter(self.rng.permutation(self.n)[:self.limit].tolist())
 
 
+@pytest.mark.slow
 def test_state_in_a_deque_or_a_numpy_random_state_discards_prefetch():
     assert check(sampler=P(_DequeSampler, N), on_epoch=lambda e, g, s: s.order.rotate(5),
                  ).prefetched_epochs == 0
@@ -353,6 +365,7 @@ def test_state_in_a_deque_or_a_numpy_random_state_discards_prefetch():
                  ).prefetched_epochs == 0
 
 
+@pytest.mark.slow
 def test_a_numpy_random_state_a_sampler_holds_is_drawn_from_privately():
     """The early draws use a private copy of the sampler's own numpy RNG, as of a torch
     generator: a prefetch dropped for another change leaves the RNG where torch's would
@@ -406,6 +419,7 @@ def _draw_from_its_rng(e, g, s):
         s.rng.random()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(_OWN_RNGS))
 @pytest.mark.parametrize("on_epoch", [None, _draw_from_its_rng], ids=["alone", "loop-draws"])
 def test_a_samplers_own_generator_reseeded_by_a_set_epoch_never_called(kind, on_epoch):
@@ -420,6 +434,7 @@ class _LoaderAwareSampler(tud.SequentialSampler):
     loader = None
 
 
+@pytest.mark.slow
 def test_state_in_a_list_after_a_name_or_in_a_private_slot_discards_prefetch():
     reverse_in_list = lambda e, g, s: s.plan[1].reverse()  # noqa: E731 - the order is there
     assert check(sampler=P(_PlanSampler, N, private=True), on_epoch=reverse_in_list,
@@ -457,6 +472,7 @@ class _EpochUnderAnotherName(tud.Sampler):
         return iter(torch.randperm(self.n, generator=g).tolist())
 
 
+@pytest.mark.slow
 def test_sampler_whose_epoch_cannot_be_read_is_not_prefetched():
     """set_epoch(e + 1) around the prefetch's draws could not be undone (no `epoch` to read
     back), so the next epoch is not drawn early: the batches are torch's."""
@@ -612,6 +628,7 @@ def test_draws_from_the_generator_in_the_loop_stay_the_users():
 
 @pytest.mark.parametrize(
     "values", [[1, 8, 15], [0, 1, 1], [0, 5, 6]], ids=["all-unexpected", "repeat", "jump-then-next"])
+@pytest.mark.slow
 def test_set_epoch_with_unexpected_value(values):
     """set_epoch with another value than the prefetch assumed (e + 1): that epoch is refetched;
     an epoch whose value is the one after the previous epoch's is adopted."""
@@ -621,6 +638,7 @@ def test_set_epoch_with_unexpected_value(values):
 
 
 # --------------------------------------------------------------------------- breaking out
+@pytest.mark.slow
 def test_break_before_sampler_runs_out_then_full_epochs():
     """Epoch 0 broken off after 2 batches (its sampler never ran out: no prefetch), epoch 1
     whole (prefetches epoch 2), epoch 2 broken off after 8 batches (by then its sampler ran out:
@@ -629,6 +647,7 @@ def test_break_before_sampler_runs_out_then_full_epochs():
     assert stats.prefetched_epochs == 2
 
 
+@pytest.mark.slow
 def test_breaks_after_the_sampler_ran_out_leave_every_epoch_its_window():
     """Epochs broken off after their sampler ran out, again and again: the broken epoch's
     tasks still in flight must not take the next epoch's prefetch window, or that epoch's
@@ -638,6 +657,7 @@ def test_breaks_after_the_sampler_ran_out_leave_every_epoch_its_window():
     assert stats.prefetched_epochs == 3
 
 
+@pytest.mark.slow
 def test_break_with_distributed_sampler():
     stats = check(epochs=3, make_dataset=P(D.IndexMap, 2 * N), sampler=P(distributed, 2 * N),
                   stop_after={1: 3},
@@ -646,6 +666,7 @@ def test_break_with_distributed_sampler():
 
 
 # --------------------------------------------------------------------------- other options
+@pytest.mark.slow
 def test_in_order_false():
     """Batches of the next epoch must not leak into this one with in_order=False, nor be lost.
 
@@ -659,6 +680,7 @@ def test_in_order_false():
     assert stats.prefetched_epochs == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("assignment", ["interleaved", "dynamic"])
 def test_fetch_sample_with_generator(assignment):
     stats = check(shm=prefetching(fetch="sample", assignment=assignment), shuffle=True,
@@ -666,6 +688,7 @@ def test_fetch_sample_with_generator(assignment):
     assert stats.prefetched_epochs == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("assignment", ["interleaved", "dynamic"])
 def test_fetch_sample_with_distributed_sampler(assignment):
     stats = check(shm=prefetching(fetch="sample", assignment=assignment),
@@ -674,6 +697,7 @@ def test_fetch_sample_with_distributed_sampler(assignment):
     assert stats.prefetched_epochs == 0
 
 
+@pytest.mark.slow
 def test_three_workers_prefetch_factor_1():
     stats = check(num_workers=3, prefetch_factor=1, shuffle=True, generator_seed=3)
     assert stats.prefetched_epochs == 2
@@ -697,6 +721,7 @@ def test_invalid_is_value_error(name):
 
 
 # --------------------------------------------------------------------------- bugs found
+@pytest.mark.slow
 def test_prefetched_results_arrived_early():
     """Results of the next epoch that arrive while the main process still waits for this
     epoch's last batch are stored (task_info with data, _tasks_outstanding already decremented);
@@ -710,6 +735,7 @@ def test_prefetched_results_arrived_early():
     assert stats.prefetched_epochs == 1
 
 
+@pytest.mark.slow
 def test_discarded_prefetch_leaves_worker_rng_untouched():
     """Regression (fixed): when a prefetched epoch is dropped (the user reseeded the generator),
     the persistent workers have already fetched some of its batches, drawing from their
@@ -722,6 +748,7 @@ def test_discarded_prefetch_leaves_worker_rng_untouched():
     assert stats.prefetched_epochs == 0
 
 
+@pytest.mark.slow
 def test_prefetch_that_exhausts_the_next_sampler():
     """Regression (fixed): an epoch of 3 batches is wholly dispatched by the prefetch, so the next
     epoch's RandomSampler runs out during the prefetch, and running out draws from the generator
@@ -733,6 +760,7 @@ def test_prefetch_that_exhausts_the_next_sampler():
     assert stats.prefetched_epochs == 2
 
 
+@pytest.mark.slow
 def test_distributed_sampler_without_set_epoch():
     """Regression (fixed; drop-in): a user who never calls set_epoch gets the same order every
     epoch from torch (DistributedSampler's documented pitfall).  The prefetch calls set_epoch(1),
@@ -741,6 +769,7 @@ def test_distributed_sampler_without_set_epoch():
     check(sampler=P(distributed, N))
 
 
+@pytest.mark.slow
 def test_user_draws_from_generator_between_epochs():
     """Regression (fixed): the user draws from the loader's generator between epochs (the same
     generator also feeding augmentation or another sampler).  torch draws the next permutation
@@ -758,6 +787,7 @@ def test_user_draws_from_generator_between_epochs():
         f"the user's own draws (torch, shm) differ: {draws}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["generator", "distributed"])
 def test_user_state_after_training_is_torchs(kind):
     """Regression (fixed; drop-in): after the last epoch the prefetch has already drawn an epoch

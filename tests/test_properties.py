@@ -306,6 +306,7 @@ SETTINGS_A = {"deadline": None,
 @given(spec=spec_strategy(collatable=False), seed=st.integers(0, 2**32 - 1),
        n=st.integers(1, 12), batch_size=st.integers(1, 5), num_workers=st.integers(1, 3),
        collate=st.sampled_from(sorted(COLLATES)), slot_bytes=st.sampled_from(SLOT_CHOICES))
+@pytest.mark.slow
 def test_custom_collate_matches_torch(spec, seed, n, batch_size, num_workers, collate,
                                       slot_bytes):
     _both(spec, seed, n, batch_size, num_workers, COLLATES[collate], slot_bytes)
@@ -315,6 +316,7 @@ def test_custom_collate_matches_torch(spec, seed, n, batch_size, num_workers, co
 @given(spec=spec_strategy(collatable=True), seed=st.integers(0, 2**32 - 1),
        n=st.integers(1, 12), batch_size=st.integers(1, 5), num_workers=st.integers(1, 3),
        slot_bytes=st.sampled_from(SLOT_CHOICES))
+@pytest.mark.slow
 def test_default_collate_matches_torch(spec, seed, n, batch_size, num_workers, slot_bytes):
     _both(spec, seed, n, batch_size, num_workers, None, slot_bytes)
 
@@ -650,6 +652,7 @@ def _decode_in_child(metas, lease, quiet=False):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(spec=spec_strategy(collatable=False), seed=st.integers(0, 2**32 - 1),
        cases=st.lists(_CASE, min_size=1, max_size=12), data=st.data())
+@pytest.mark.slow
 def test_decoder_survives_corrupt_metadata(fuzz_ring, spec, seed, cases, data):
     rearm_hang_guard()  # per example (a longer hunt needs no longer guard)
     # Two samples of the drawn structure, and always a tensor and an array to corrupt.

@@ -188,6 +188,7 @@ def replay_warnings(entry):
 
 
 # ------------------------------------------------------------------------------ the matrix
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_state_dict_leaves_the_run_alone(matrix, name):
     """The run that calls state_dict() (and torch.save) at every point is the uninterrupted
@@ -276,6 +277,7 @@ INTERRUPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_interrupted_processes(matrix, tmp_path):
     """Checkpoints from processes that stop at the point and exit there (iterator and workers
     alive), each resumed in another process: the uninterrupted run again."""
@@ -458,6 +460,7 @@ class _FiveDraws(torch.utils.data.IterableDataset):
         return (torch.rand(1).item() for _ in range(5))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stateful", [False, True], ids=["rng", "state_dict"])
 def test_resume_after_a_drop_last_epoch_keeps_the_dropped_samples_draws(stateful):
     """The sample that drop_last discards still drew from the worker's RNG: a checkpoint

@@ -93,6 +93,7 @@ def test_wait_takes_a_timeout_beyond_an_ints_milliseconds(ring):
         os.close(w)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threshold", range(1, 13))
 def test_slots_copied_before_a_fork_are_those_still_held_when_garbage_is_collected(threshold):
     """privatize_held (run before every fork) lists the slots this process holds; a garbage
@@ -278,6 +279,7 @@ def _producer(fd, efd, tasks, seed):
         ring.publish(slot, seq, 4096, len(header))
 
 
+@pytest.mark.slow
 def test_stress_many_processes_every_payload_checked():
     ring = Ring.create_in("/dev/shm", 8, 8192)
     ctx = mp.get_context("fork")

@@ -141,6 +141,7 @@ def test_in_order_false_same_multiset(make_dataset, kw, assignment):
     assert_results_same(t, s, ordered=False)
 
 
+@pytest.mark.slow
 def test_spawn_context_same_output():
     kw = dict(batch_size=4, shuffle=True, generator=gen(3), num_workers=2, persistent_workers=True,
               epochs=2)
@@ -281,6 +282,7 @@ def _events(cls, make_dataset, *, epochs=2, **kw):
         pytest.param((4, 5), "TwoArgError", True, id="two-rows-of-one-batch-persistent"),
     ],
 )
+@pytest.mark.slow
 def test_getitem_error_like_torch(bad, exc, persistent, assignment):
     """A sample raising in __getitem__: same exception type and message as torch, at the same
     batch (the first failing sample of that batch), and the loader goes on with later batches

@@ -29,6 +29,9 @@ import pytest
 
 from tests.procs import rearm_hang_guard
 
+# Builds the C ring with gcc sanitizers and stresses it: deselect with -m "not sanitizers".
+pytestmark = [pytest.mark.sanitizers, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "tests" / "c" / "ring_stress.c", ROOT / "csrc" / "shmring.c"]
 CC = os.environ.get("CC", "gcc")

@@ -84,6 +84,7 @@ def test_in_order_false_same_batches(reference):
             f"epoch {e}: different batches")
 
 
+@pytest.mark.slow
 def test_persistent_workers_same_across_workers_and_epochs_differ():
     one = augmented(num_workers=1, persistent=True, epochs=3, shuffle=False, seed_per_sample=True)
     three = augmented(num_workers=3, persistent=True, epochs=3, shuffle=False, fetch="sample",
@@ -97,6 +98,7 @@ def test_persistent_workers_same_across_workers_and_epochs_differ():
             f"epochs {a} and {b} drew the same augmentations")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("turned_on", [True, False], ids=["turned-on", "turned-off"])
 def test_changed_between_epochs_of_persistent_workers_applies(turned_on):
     """seed_per_sample set between epochs of a persistent loader: its workers were made
@@ -133,6 +135,7 @@ def test_samples_in_a_batch_draw_differently(reference):
     assert len({tuple(row) for row in batch["np"].tolist()}) == BS
 
 
+@pytest.mark.slow
 def test_global_rng_instead_of_generator():
     """Without a generator the base seed comes from torch's global RNG (seeded alike)."""
     one = augmented(num_workers=1, generator=False, seed_per_sample=True)
@@ -140,6 +143,7 @@ def test_global_rng_instead_of_generator():
     D.assert_same(one, three, "global RNG, 1 vs 3 workers")
 
 
+@pytest.mark.slow
 def test_without_seed_per_sample_workers_differ():
     """The control: torch's per-worker seeding makes 1 and 3 workers augment differently (so
     the tests above can fail)."""
@@ -185,6 +189,7 @@ def test_main_process_rng_with_num_workers_0_is_as_with_workers():
     D.assert_same([d[1:] for d in t], [d[1:] for d in s], "the loop's own draws")
 
 
+@pytest.mark.slow
 def test_prefetched_epoch_same_augmentations(reference):
     """prefetch_next_epoch does not change what seed_per_sample draws when the prefetched epoch
     is adopted (24 samples: the next epoch's sampler is not exhausted by the prefetch)."""

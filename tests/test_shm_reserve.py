@@ -76,6 +76,7 @@ def no_room_preload(tmp_path_factory):
                            "int posix_fallocate64(int fd, off_t offset, off_t len) { return ENOSPC; }\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fetch", ["batch", "sample"])
 def test_dev_shm_full_after_start_is_each_batch_error_and_loader_goes_on(monkeypatch,
                                                                        no_room_preload, fetch):
@@ -107,6 +108,7 @@ def _epochs(loader, epochs=2):
     return [[b.tolist() for b in loader] for _ in range(epochs)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fetch", ["batch", "sample"])
 def test_a_default_ring_short_of_memory_shrinks_and_every_batch_comes(monkeypatch, fetch):
     """Memory (here SHMLOADER_SHM_LIMIT) for 7 of the default ring's 8 slots (2 workers,
@@ -282,6 +284,7 @@ def _run_in_a_64_mb_dev_shm(script):
     return done.stdout.split()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("persistent", [False, True], ids=["non_persistent", "persistent"])
 def test_train_and_validation_loaders_in_a_64_mb_dev_shm(persistent):
     """Docker's default /dev/shm, a training loader alive throughout and a validation
@@ -292,6 +295,7 @@ def test_train_and_validation_loaders_in_a_64_mb_dev_shm(persistent):
     assert int(out[3]) > 0  # the training loader had a ring
 
 
+@pytest.mark.slow
 def test_a_new_loader_after_training_in_a_64_mb_dev_shm():
     """A loader made after another's epochs (an evaluation), in Docker's default
     /dev/shm: its first batches, which size its ring, need none of it."""
@@ -318,6 +322,7 @@ print(sum(int(b.sum()) for b in loader), room >> 20, words, flush=True)
 """
 
 
+@pytest.mark.slow
 def test_page_cache_in_a_real_memory_cgroup_leaves_room_for_the_ring(tmp_path):
     """A training process in a real memory cgroup (640 MB, as a container's) whose usage
     is mostly the page cache of the files it read still gets its 32 MB ring: the kernel

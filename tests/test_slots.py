@@ -319,6 +319,7 @@ def no_room_for_torch(tmp_path_factory):
     return library
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["spill", "ring_full"])
 def test_batches_outside_the_ring_need_no_room_in_dev_shm(no_room_for_torch, case):
     """/dev/shm full for torch's shared memory (a collate's in a worker, or its

@@ -73,6 +73,7 @@ SMALL = ["1m", "read-only", "missing"]
 LARGE = 3 * 224 * 224  # bytes of one uint8 image
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shm", SMALL)
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_ring_batches_need_no_dev_shm(shm, context):
@@ -118,6 +119,7 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize("shm, context", [("1m", "fork"), ("read-only", "forkserver"),
                                           ("missing", "spawn")])
+@pytest.mark.slow
 def test_batches_outside_the_ring_need_no_dev_shm(shm, context):
     """Batches before the ring is sized, larger than their slot, and while the loop holds
     every slot travel in one-off memfd segments: none of them needs /dev/shm."""
@@ -125,6 +127,7 @@ def test_batches_outside_the_ring_need_no_dev_shm(shm, context):
     assert out[0] == "ok" and out[2] == "100", out
 
 
+@pytest.mark.slow
 def test_large_batches_with_the_defaults_in_a_64_mb_dev_shm():
     """Docker's default /dev/shm and 38.5 MB batches (256 x uint8 3x224x224), as torch's
     loader fails there: with the defaults, three epochs of a persistent loader."""
@@ -139,6 +142,7 @@ done(ok, loader)
     assert out[0] == "ok" and out[2] == "9", out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shm", SMALL)
 def test_sample_mode_resume_and_pinning_need_no_dev_shm(shm):
     """fetch="sample" sizes its ring from a probe, not from batches sent by torch's
@@ -163,6 +167,7 @@ done(ok, resumed)
     assert _output(run_with_dev_shm(shm, script)) == ["ok", "7", "7"]
 
 
+@pytest.mark.slow
 def test_held_batches_beyond_the_ring_with_a_64_mb_dev_shm():
     """Docker's default: 9.6 MB batches with the defaults (the ring sized from the first
     batches, which torch's transport carries), three epochs of a persistent loader, and
@@ -210,6 +215,7 @@ def _memfds(pid):
     return found
 
 
+@pytest.mark.slow
 def test_nothing_is_left_after_the_main_process_is_killed():
     """SIGKILL of the training process in a 1 MB /dev/shm: its workers exit, and no process
     keeps the ring's memfd alive (its memory goes with the last fd)."""
@@ -245,6 +251,7 @@ def memfd_refused(tmp_path_factory):
                            "{ errno = ENOSYS; return -1; }\n")
 
 
+@pytest.mark.slow
 def test_where_memfd_create_is_refused_rings_live_in_dev_shm(memfd_refused):
     """The fallback, in a /dev/shm of its own: rings and one-off segments in /dev/shm
     (unnamed: nothing left behind), batches equal to torch's, and stats() saying where

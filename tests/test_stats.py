@@ -254,6 +254,7 @@ class _SlowFailing(tud.Dataset):
         return torch.tensor([i])
 
 
+@pytest.mark.slow
 def test_wait_for_a_failed_batch_counts_in_wall_time():
     """The wait for a batch that raises is part of the loop's wall time as well as of the
     wait: the fraction stays a fraction."""

@@ -32,6 +32,7 @@ def test_every_private_torch_name_imported_is_checked_at_import():
     assert _private_torch_imports() - set(_torch_api._NEEDED) == set()
 
 
+@pytest.mark.slow
 def test_a_torch_without_a_name_shmloader_needs_fails_at_import_naming_it():
     script = ("import torch.utils.data.dataloader as d\n"
               "del d._BaseDataLoaderIter\n"

@@ -40,6 +40,7 @@ class MallocProbe(Dataset):
             libc.free(address)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context", ["spawn", "fork"])
 def test_worker_malloc_keeps_freed_memory(context):
     """A spawned worker starts with glibc's defaults (its mmap threshold is below BLOCK):
@@ -49,6 +50,7 @@ def test_worker_malloc_keeps_freed_memory(context):
     assert got.tolist() == [True] * 4
 
 
+@pytest.mark.slow
 def test_worker_init_fn_may_set_its_own_malloc_options():
     got = torch.cat(list(DataLoader(MallocProbe(), batch_size=2, num_workers=2,
                                     multiprocessing_context="spawn",
