@@ -21,6 +21,7 @@ chooses the runs: the measuring is shmloader/bench/session.py's, which
 JSON file, with the charts next to it (see charts.py).
 See docs/benchmarks.md for what the figures mean.
 """
+
 import argparse
 import functools
 import sys
@@ -29,11 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch.utils.data
-
 import charts
 import container
 import report
+import torch.utils.data
 from workloads import FAMILIES, PRESETS, SEED, WORKLOADS, Preset
 
 from shmloader.bench import session
@@ -82,8 +82,13 @@ def loader_class(name: str) -> type:
     return DataLoader
 
 
-def measure_run(run: Run, classes: dict[str, type], settings: Settings, scratch: Path,
-                progress: Callable[[str], None]) -> dict[str, Any]:
+def measure_run(
+    run: Run,
+    classes: dict[str, type],
+    settings: Settings,
+    scratch: Path,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
     """Every figure of one run, as its JSON record."""
     preset = run.preset
     batches = preset.quick_batches if settings.quick else preset.batches
@@ -96,13 +101,27 @@ def measure_run(run: Run, classes: dict[str, type], settings: Settings, scratch:
     # on non-persistent ones (what such a loader pays every epoch).
     makers = {}
     for name, cls in classes.items():
-        make = functools.partial(_seeded, cls, dataset, batch_size=run.batch_size, shuffle=False,
-                                 num_workers=run.workers, pin_memory=False)
+        make = functools.partial(
+            _seeded,
+            cls,
+            dataset,
+            batch_size=run.batch_size,
+            shuffle=False,
+            num_workers=run.workers,
+            pin_memory=False,
+        )
         persistent = functools.partial(make, persistent_workers=True)
-        makers[name] = session.Makers(timed=persistent, fresh=functools.partial(make, persistent_workers=False),
-                                      memory=persistent)
-    plan = session.Plan(reps=settings.reps, first_batch_reps=settings.first_batch_reps,
-                        memory_epochs=settings.memory_epochs, limit=True)
+        makers[name] = session.Makers(
+            timed=persistent,
+            fresh=functools.partial(make, persistent_workers=False),
+            memory=persistent,
+        )
+    plan = session.Plan(
+        reps=settings.reps,
+        first_batch_reps=settings.first_batch_reps,
+        memory_epochs=settings.memory_epochs,
+        limit=True,
+    )
     measurement = session.measure(makers, plan, progress)
     loaders, limit = measurement_figures(measurement)
     return {
@@ -112,11 +131,19 @@ def measure_run(run: Run, classes: dict[str, type], settings: Settings, scratch:
             "sample_bytes": preset.sample_bytes,
             "family": preset.family,
         },
-        "settings": {**vars(settings), "workers": run.workers, "batch_size": run.batch_size,
-                     "batches_per_epoch": batches, "loaders": list(classes)},
+        "settings": {
+            **vars(settings),
+            "workers": run.workers,
+            "batch_size": run.batch_size,
+            "batches_per_epoch": batches,
+            "loaders": list(classes),
+        },
         # Every loader after the first is checked against the first, torch when it runs.
-        "correctness": {"reference": next(iter(classes)), "compared": list(classes)[1:],
-                        "batches": measurement.check.batches},
+        "correctness": {
+            "reference": next(iter(classes)),
+            "compared": list(classes)[1:],
+            "batches": measurement.check.batches,
+        },
         "loaders": loaders,
         "limit": limit,
         "ratios": ratios(loaders),
@@ -128,7 +155,9 @@ def _seeded(cls: type, dataset: Any, **kwargs: Any) -> Any:
     return cls(dataset, generator=torch.Generator().manual_seed(SEED), **kwargs)
 
 
-def plan(preset_names: list[str], workers: list[int], batch_sizes: list[int] | None, quick: bool) -> list[Run]:
+def plan(
+    preset_names: list[str], workers: list[int], batch_sizes: list[int] | None, quick: bool
+) -> list[Run]:
     """The runs, preset by preset: every worker count with every batch size."""
     runs = []
     for name in preset_names:
@@ -152,32 +181,64 @@ def _listed(values: tuple[int, ...]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", action="append", choices=[*PRESETS, *FAMILIES],
-                        help="workload to run, or a family of them; repeat for several (default: "
-                             f"{', '.join(WORKLOADS)}; without --quick also {', '.join(FAMILIES)})")
-    parser.add_argument("--loaders", nargs="+", choices=LOADERS, default=list(LOADERS),
-                        help="loaders to compare (default: both)")
-    parser.add_argument("--workers", type=int, nargs="+",
-                        help=f"num_workers of every loader, one run each (default: {_listed(WORKERS[1])} with "
-                             f"--quick, else {_listed(WORKERS[0])})")
-    parser.add_argument("--batch-size", type=int, nargs="+",
-                        help="batch sizes, one run each (default: the preset's own, and without --quick "
-                             "also a quarter of it)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--preset",
+        action="append",
+        choices=[*PRESETS, *FAMILIES],
+        help="workload to run, or a family of them; repeat for several (default: "
+        f"{', '.join(WORKLOADS)}; without --quick also {', '.join(FAMILIES)})",
+    )
+    parser.add_argument(
+        "--loaders",
+        nargs="+",
+        choices=LOADERS,
+        default=list(LOADERS),
+        help="loaders to compare (default: both)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        help=f"num_workers of every loader, one run each (default: {_listed(WORKERS[1])} with "
+        f"--quick, else {_listed(WORKERS[0])})",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        nargs="+",
+        help="batch sizes, one run each (default: the preset's own, and without --quick "
+        "also a quarter of it)",
+    )
     parser.add_argument("--quick", action="store_true", help="short epochs and few repetitions")
-    parser.add_argument("--reps", type=int,
-                        help=f"timed epochs per loader (default: {REPS[1]} with --quick, else {REPS[0]})")
-    parser.add_argument("--shm-size", metavar="SIZE",
-                        help="instead: both loaders with a /dev/shm of SIZE (a tmpfs size, 64m as "
-                             "Docker's default) beside a roomy one, in a private mount namespace "
-                             "(needs root); figures to results/container.json unless --out")
-    parser.add_argument("--out", type=Path,
-                        help=f"JSON path; the charts are written next to it, named after it (default: {DEFAULT_OUT})")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        help=f"timed epochs per loader (default: {REPS[1]} with --quick, else {REPS[0]})",
+    )
+    parser.add_argument(
+        "--shm-size",
+        metavar="SIZE",
+        help="instead: both loaders with a /dev/shm of SIZE (a tmpfs size, 64m as "
+        "Docker's default) beside a roomy one, in a private mount namespace "
+        "(needs root); figures to results/container.json unless --out",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help=f"JSON path; the charts are written next to it, named after it (default: {DEFAULT_OUT})",
+    )
     args = parser.parse_args(argv)
-    args.out = args.out or (DEFAULT_OUT.with_name("container.json") if args.shm_size else DEFAULT_OUT)
+    args.out = args.out or (
+        DEFAULT_OUT.with_name("container.json") if args.shm_size else DEFAULT_OUT
+    )
     args.workers = args.workers or list(WORKERS[args.quick])
     if min(args.workers) < 1:
-        parser.error("--workers must be at least 1: the benchmark measures the hand-off from workers")
+        parser.error(
+            "--workers must be at least 1: the benchmark measures the hand-off from workers"
+        )
     if args.batch_size is not None and min(args.batch_size) < 1:
         parser.error("--batch-size must be at least 1")
     if args.reps is not None and args.reps < 1:
@@ -210,7 +271,9 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit(f"[{run.label()}] {error}")
             progress.clear()
             document["runs"].append(record)
-            report.write_json(document, args.out)  # after every run, so that a broken-off run keeps its figures
+            report.write_json(
+                document, args.out
+            )  # after every run, so that a broken-off run keeps its figures
             print(report.table(record) + "\n")
     if len(runs) > 1:
         print(report.summary(document["runs"]) + "\n")
@@ -229,8 +292,15 @@ def small_dev_shm(runs: list[Run], args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="shmloader-bench-") as scratch:
         for number, run in enumerate(runs, 1):
             progress = StatusLine(f"[{number}/{len(runs)}] {run.label()}:")
-            record = container.measure(run.preset.name, run.workers, run.batch_size, args.shm_size,
-                                       args.quick, scratch, progress)
+            record = container.measure(
+                run.preset.name,
+                run.workers,
+                run.batch_size,
+                args.shm_size,
+                args.quick,
+                scratch,
+                progress,
+            )
             progress.clear()
             document["runs"].append(record)
             report.write_json(document, args.out)

@@ -1,8 +1,9 @@
 """The PNG charts of a benchmark run, drawn from its JSON document.
 
-    <out>.png                  samples/s per workload: torch, shmloader and the limit
-    <out>-vs-sample-size.png   GB/s against sample size, log-log (runs of the size sweep)
+<out>.png                  samples/s per workload: torch, shmloader and the limit
+<out>-vs-sample-size.png   GB/s against sample size, log-log (runs of the size sweep)
 """
+
 import math
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,9 @@ except ImportError:  # charts are optional: the table and the JSON do not need m
 AVAILABLE = Figure is not None
 
 COLOURS = {"torch": "tab:blue", "shmloader": "tab:orange", report.LIMIT: "tab:gray"}
-LABELS = {report.LIMIT: "transport-free limit"}  # legend names where the short name would not say enough
+LABELS = {
+    report.LIMIT: "transport-free limit"
+}  # legend names where the short name would not say enough
 COLUMNS = 3  # subplots per row
 MIN_WIDTH = 10  # inches
 DPI = 110
@@ -63,9 +66,15 @@ def throughput_chart(document: dict[str, Any]) -> "Figure":
     figure, axes = subplot_grid(len(by_preset))
     for ax, (name, runs) in zip(axes, by_preset.items()):
         bar_group(ax, runs)
-        ax.set_title(f"{name} ({size_label(runs[0]['preset']['sample_bytes'])} per sample)", fontsize=10)
-    finish(figure, "Throughput: torch DataLoader, shmloader and the transport-free limit "
-                   "(% = fraction of the limit)", document["machine"])
+        ax.set_title(
+            f"{name} ({size_label(runs[0]['preset']['sample_bytes'])} per sample)", fontsize=10
+        )
+    finish(
+        figure,
+        "Throughput: torch DataLoader, shmloader and the transport-free limit "
+        "(% = fraction of the limit)",
+        document["machine"],
+    )
     return figure
 
 
@@ -76,8 +85,13 @@ def bar_group(ax: Any, runs: list[dict[str, Any]]) -> None:
     for k, name in enumerate(names):
         figs = [series(run)[name] for run in runs]
         positions = [i + (k - (len(names) - 1) / 2) * width for i in range(len(runs))]
-        bars = ax.bar(positions, [f["samples_per_s"] for f in figs], width,
-                      label=LABELS.get(name, name), color=COLOURS[name])
+        bars = ax.bar(
+            positions,
+            [f["samples_per_s"] for f in figs],
+            width,
+            label=LABELS.get(name, name),
+            color=COLOURS[name],
+        )
         if name != report.LIMIT:
             ax.bar_label(bars, [f"{f['fraction_of_limit']:.0%}" for f in figs], fontsize=7)
     ax.set_xticks(range(len(runs)), [run_label(run) for run in runs], fontsize=8)
@@ -92,11 +106,19 @@ def sample_size_chart(runs: list[dict[str, Any]], machine: dict[str, Any]) -> "F
     configs = sorted({config(r) for r in runs})
     figure, axes = subplot_grid(len(configs))
     for ax, (workers, batch) in zip(axes, configs):
-        points = sorted((r for r in runs if config(r) == (workers, batch)), key=lambda r: r["preset"]["sample_bytes"])
+        points = sorted(
+            (r for r in runs if config(r) == (workers, batch)),
+            key=lambda r: r["preset"]["sample_bytes"],
+        )
         sizes = [r["preset"]["sample_bytes"] for r in points]
         for name in series(points[0]):
-            ax.plot(sizes, [series(r)[name]["gb_per_s"] for r in points], marker="o", label=LABELS.get(name, name),
-                    color=COLOURS[name])
+            ax.plot(
+                sizes,
+                [series(r)[name]["gb_per_s"] for r in points],
+                marker="o",
+                label=LABELS.get(name, name),
+                color=COLOURS[name],
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks(sizes, [size_label(s) for s in sizes], fontsize=8)

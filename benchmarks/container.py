@@ -13,6 +13,7 @@ a thread samples how much of /dev/shm its process tree uses. A loader that fails
 reported with its error, not left out. The first epoch's batches of every run are checked
 against torch's in the roomy /dev/shm.
 """
+
 import json
 import os
 import statistics
@@ -23,9 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import report
+import torch
 from workloads import PRESETS
 
 from shmloader.bench.check import first_difference
@@ -67,12 +67,14 @@ def _loader_class(name: str) -> type:
     if name == "torch":
         return torch.utils.data.DataLoader
     from shmloader import DataLoader
+
     return DataLoader
 
 
 def _first_epoch_digest(batch) -> list:
     """Enough of a batch to compare it across processes: every tensor leaf's sum."""
     from shmloader.bench.measure import tensor_leaves
+
     return [float(t.double().sum()) for _, t in tensor_leaves(batch)]
 
 
@@ -81,8 +83,9 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
     preset = PRESETS[args["preset"]]
     scratch = Path(args["scratch"])
     dataset = preset.make_dataset(args["batches"] * args["batch_size"], scratch)
-    loader = _loader_class(args["loader"])(dataset, batch_size=args["batch_size"],
-                                           num_workers=args["workers"], persistent_workers=True)
+    loader = _loader_class(args["loader"])(
+        dataset, batch_size=args["batch_size"], num_workers=args["workers"], persistent_workers=True
+    )
     shm = ShmUse()
     epochs, digest = [], []
     try:
@@ -91,35 +94,56 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
             for batch in loader:
                 if epoch == 0:
                     digest.append(_first_epoch_digest(batch))
-                samples += len(batch[-1]) if isinstance(batch, (list, tuple)) else args["batch_size"]
+                samples += (
+                    len(batch[-1]) if isinstance(batch, (list, tuple)) else args["batch_size"]
+                )
                 del batch
             epochs.append({"samples": samples, "wall_s": time.perf_counter() - start})
     except Exception as error:
-        record = {"failed": f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}",
-                  "failed_in_epoch": len(epochs)}
+        record = {
+            "failed": f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}",
+            "failed_in_epoch": len(epochs),
+        }
     else:
         record = {}
     st = os.statvfs("/dev/shm")
-    record.update(epochs=epochs, dev_shm_peak_bytes=shm.stop(), digest=digest,
-                  dev_shm_bytes=st.f_blocks * st.f_frsize)
+    record.update(
+        epochs=epochs,
+        dev_shm_peak_bytes=shm.stop(),
+        digest=digest,
+        dev_shm_bytes=st.f_blocks * st.f_frsize,
+    )
     if hasattr(loader, "stats"):
         stats = loader.stats()
         record["ring_memory"] = stats.ring_memory
-        record["outside_ring_batches"] = (stats.unsized_batches + stats.ring_full_batches
-                                          + stats.spilled_batches)
+        record["outside_ring_batches"] = (
+            stats.unsized_batches + stats.ring_full_batches + stats.spilled_batches
+        )
     return record
 
 
 def _run_child(args: dict[str, Any], shm_size: str) -> dict[str, Any]:
     size = "" if shm_size == ROOMY else f"-o size={shm_size} "
-    command = ["unshare", "-m", "sh", "-c",
-               f"mount -t tmpfs {size}tmpfs /dev/shm && exec \"$0\" \"$@\"",
-               sys.executable, str(HERE / "container.py"), json.dumps(args)]
+    command = [
+        "unshare",
+        "-m",
+        "sh",
+        "-c",
+        f'mount -t tmpfs {size}tmpfs /dev/shm && exec "$0" "$@"',
+        sys.executable,
+        str(HERE / "container.py"),
+        json.dumps(args),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
-        return {"failed": lines[-1], "failed_in_epoch": None, "epochs": [],
-                "dev_shm_peak_bytes": None, "digest": []}
+        return {
+            "failed": lines[-1],
+            "failed_in_epoch": None,
+            "epochs": [],
+            "dev_shm_peak_bytes": None,
+            "digest": [],
+        }
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -132,21 +156,38 @@ def _figures(record: dict[str, Any], sample_bytes: int) -> dict[str, Any]:
 
 
 def check_namespace(shm_size: str) -> None:
-    probe = subprocess.run(["unshare", "-m", "sh", "-c",
-                            f"mount -t tmpfs -o size={shm_size} tmpfs /dev/shm"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size={shm_size} tmpfs /dev/shm"],
+        capture_output=True,
+        text=True,
+    )
     if probe.returncode != 0:
-        sys.exit(f"--shm-size needs `unshare -m` and mount (root) for a private /dev/shm: "
-                 f"{probe.stderr.strip()}")
+        sys.exit(
+            f"--shm-size needs `unshare -m` and mount (root) for a private /dev/shm: "
+            f"{probe.stderr.strip()}"
+        )
 
 
-def measure(preset_name: str, workers: int, batch_size: int, shm_size: str, quick: bool,
-            scratch: str, progress) -> dict[str, Any]:
+def measure(
+    preset_name: str,
+    workers: int,
+    batch_size: int,
+    shm_size: str,
+    quick: bool,
+    scratch: str,
+    progress,
+) -> dict[str, Any]:
     """Both loaders with a roomy and with a small /dev/shm: the run's JSON record."""
     preset = PRESETS[preset_name]
     batches = preset.quick_batches if quick else preset.batches
-    args = dict(preset=preset_name, workers=workers, batch_size=batch_size, batches=batches,
-                epochs=EPOCHS[quick], scratch=scratch)
+    args = dict(
+        preset=preset_name,
+        workers=workers,
+        batch_size=batch_size,
+        batches=batches,
+        epochs=EPOCHS[quick],
+        scratch=scratch,
+    )
     conditions = {}
     for condition in (ROOMY, shm_size):
         for loader in ("torch", "shmloader"):
@@ -162,9 +203,16 @@ def measure(preset_name: str, workers: int, batch_size: int, shm_size: str, quic
                 record["same_batches_as_torch"] = difference is None
                 if difference is not None:
                     record["difference"] = difference
-    return {"preset": preset_name, "sample_bytes": preset.sample_bytes, "workers": workers,
-            "batch_size": batch_size, "batches_per_epoch": batches, "epochs": EPOCHS[quick],
-            "shm_size": shm_size, "conditions": conditions}
+    return {
+        "preset": preset_name,
+        "sample_bytes": preset.sample_bytes,
+        "workers": workers,
+        "batch_size": batch_size,
+        "batches_per_epoch": batches,
+        "epochs": EPOCHS[quick],
+        "shm_size": shm_size,
+        "conditions": conditions,
+    }
 
 
 def table(record: dict[str, Any]) -> str:
@@ -174,24 +222,42 @@ def table(record: dict[str, Any]) -> str:
         return f"{r['samples_per_s']:,.0f} samples/s, {r['gb_per_s']:.2f} GB/s"
 
     def shm(r):
-        return "-" if r.get("dev_shm_peak_bytes") is None else f"{r['dev_shm_peak_bytes'] / 1e6:.1f} MB"
+        return (
+            "-"
+            if r.get("dev_shm_peak_bytes") is None
+            else f"{r['dev_shm_peak_bytes'] / 1e6:.1f} MB"
+        )
 
     small, roomy = record["conditions"][record["shm_size"]], record["conditions"][ROOMY]
     rows = [["/dev/shm", "loader", "throughput", "/dev/shm used (peak)", "same batches"]]
     for condition, by_loader in ((ROOMY, roomy), (record["shm_size"], small)):
         for name, r in by_loader.items():
-            rows.append([condition, name, rate(r), shm(r),
-                         {True: "yes", False: "NO"}.get(r.get("same_batches_as_torch"), "-")])
-    lines = [f"{record['preset']}, {report.workers_label(record['workers'])}, "
-             f"batch {record['batch_size']}, {record['epochs']} epochs", *report.aligned(rows)]
+            rows.append(
+                [
+                    condition,
+                    name,
+                    rate(r),
+                    shm(r),
+                    {True: "yes", False: "NO"}.get(r.get("same_batches_as_torch"), "-"),
+                ]
+            )
+    lines = [
+        f"{record['preset']}, {report.workers_label(record['workers'])}, "
+        f"batch {record['batch_size']}, {record['epochs']} epochs",
+        *report.aligned(rows),
+    ]
     ratios = []
     s_small, s_roomy, t_small = small["shmloader"], roomy["shmloader"], small["torch"]
     if "samples_per_s" in s_small and "samples_per_s" in s_roomy:
-        ratios.append(f"shmloader in {record['shm_size']} / roomy: "
-                      f"{s_small['samples_per_s'] / s_roomy['samples_per_s']:.2f}x")
+        ratios.append(
+            f"shmloader in {record['shm_size']} / roomy: "
+            f"{s_small['samples_per_s'] / s_roomy['samples_per_s']:.2f}x"
+        )
     if "samples_per_s" in s_small and "samples_per_s" in t_small:
-        ratios.append(f"shmloader / torch in {record['shm_size']}: "
-                      f"{s_small['samples_per_s'] / t_small['samples_per_s']:.2f}x")
+        ratios.append(
+            f"shmloader / torch in {record['shm_size']}: "
+            f"{s_small['samples_per_s'] / t_small['samples_per_s']:.2f}x"
+        )
     return "\n".join(lines + ratios)
 
 

@@ -19,6 +19,7 @@ Each section checks first that every loader yields the batches that torch yields
 interleaves its timed repetitions. shmloader's wait_fraction (LoaderStats) covers the
 timed repetitions only.
 """
+
 import argparse
 import functools
 import itertools
@@ -31,12 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch.utils.data
-from shmloader import DataLoader as ShmDataLoader
-
 import report
+import torch.utils.data
 from workloads import PRESETS, SEED, CostDataset, random_pool, spin_loops_per_ms, uneven_costs
 
+from shmloader import DataLoader as ShmDataLoader
 from shmloader.bench.check import checked_warm_up
 from shmloader.bench.errors import BenchmarkError
 from shmloader.bench.figures import throughput_figures
@@ -51,6 +51,7 @@ SAMPLE_COST_PROBES = 64  # jpeg samples whose CPU time in this process gives the
 @dataclass(frozen=True)
 class Settings:
     """Sizes of the three sections; FULL and QUICK below."""
+
     first_batch_reps: int
     boundary_runs: int  # interleaved runs per loader, each of boundary_epochs consecutive epochs
     boundary_epochs: int
@@ -58,13 +59,20 @@ class Settings:
     uneven_batches: int  # per epoch
 
 
-FULL = Settings(first_batch_reps=7, boundary_runs=5, boundary_epochs=8, uneven_reps=7, uneven_batches=120)
-QUICK = Settings(first_batch_reps=3, boundary_runs=3, boundary_epochs=4, uneven_reps=3, uneven_batches=40)
+FULL = Settings(
+    first_batch_reps=7, boundary_runs=5, boundary_epochs=8, uneven_reps=7, uneven_batches=120
+)
+QUICK = Settings(
+    first_batch_reps=3, boundary_runs=3, boundary_epochs=4, uneven_reps=3, uneven_batches=40
+)
 
 FIRST_BATCH_SIZE = 64
 FIRST_BATCH_BATCHES = 8  # per epoch: more than the prefetch_factor * workers batches in flight
-FIRST_BATCH_RATIOS = [("shmloader sample", "shmloader batch"), ("shmloader sample", "torch"),
-                      ("shmloader batch", "torch")]
+FIRST_BATCH_RATIOS = [
+    ("shmloader sample", "shmloader batch"),
+    ("shmloader sample", "torch"),
+    ("shmloader batch", "torch"),
+]
 
 # Epoch boundary: uint8 3x128x128 samples of 0.2 ms each in batches of 32 (6.4 ms per
 # batch and worker, 3.2 ms per batch from two) against a 5 ms step: the loader keeps up.
@@ -82,20 +90,30 @@ UNEVEN_EVERY = 8
 
 # The issue's targets, by section: (ratio, at most or at least, value).
 TARGETS = {
-    "first_batch": [(f"{when}: shmloader sample/{other}", "<=", 0.6)
-                    for when in ("new loader", "next epoch") for other in ("shmloader batch", "torch")],
+    "first_batch": [
+        (f"{when}: shmloader sample/{other}", "<=", 0.6)
+        for when in ("new loader", "next epoch")
+        for other in ("shmloader batch", "torch")
+    ],
     "epoch_boundary": [("shmloader prefetch gap/steady", "<=", 1.5)],
     "uneven": [("shmloader dynamic/torch", ">=", 1.3)],
 }
 
 
-def loaders(dataset: torch.utils.data.Dataset, shm_options: dict[str, dict[str, Any]],
-            **common: Any) -> dict[str, Callable[..., Any]]:
+def loaders(
+    dataset: torch.utils.data.Dataset, shm_options: dict[str, dict[str, Any]], **common: Any
+) -> dict[str, Callable[..., Any]]:
     """Makers of torch's loader and of a shmloader per set of options, all with the same
     dataset, WORKERS and `common` arguments; a maker's keywords are added to those."""
-    makers = {"torch": functools.partial(torch.utils.data.DataLoader, dataset, num_workers=WORKERS, **common)}
+    makers = {
+        "torch": functools.partial(
+            torch.utils.data.DataLoader, dataset, num_workers=WORKERS, **common
+        )
+    }
     for name, options in shm_options.items():
-        makers[name] = functools.partial(ShmDataLoader, dataset, num_workers=WORKERS, **common, **options)
+        makers[name] = functools.partial(
+            ShmDataLoader, dataset, num_workers=WORKERS, **common, **options
+        )
     return makers
 
 
@@ -118,23 +136,40 @@ def next_epoch_first_batch_s(loader: Any, spec: Spec) -> float:
     return first_batch_s(lambda: loader, spec)
 
 
-def first_batch(settings: Settings, progress: Callable[[str], None], scratch: Path) -> dict[str, Any]:
+def first_batch(
+    settings: Settings, progress: Callable[[str], None], scratch: Path
+) -> dict[str, Any]:
     preset = PRESETS["jpeg"]
     dataset = preset.make_dataset(FIRST_BATCH_BATCHES * FIRST_BATCH_SIZE, scratch)
-    makers = loaders(dataset, {"shmloader batch": {"fetch": "batch"}, "shmloader sample": {"fetch": "sample"}},
-                     batch_size=FIRST_BATCH_SIZE)
+    makers = loaders(
+        dataset,
+        {"shmloader batch": {"fetch": "batch"}, "shmloader sample": {"fetch": "sample"}},
+        batch_size=FIRST_BATCH_SIZE,
+    )
     live = {name: make() for name, make in makers.items()}
     progress("first batch: an epoch of each loader, checking that their batches are equal")
     spec, compared = checked_warm_up(live)
     reps_s = {
-        "new loader": interleaved({name: functools.partial(first_batch_s, make, spec) for name, make in makers.items()},
-                                  settings.first_batch_reps, progress, "first batch of a new loader"),
-        "next epoch": interleaved({name: functools.partial(next_epoch_first_batch_s, loader, spec)
-                                   for name, loader in live.items()},
-                                  settings.first_batch_reps, progress, "first batch of a next epoch"),
+        "new loader": interleaved(
+            {name: functools.partial(first_batch_s, make, spec) for name, make in makers.items()},
+            settings.first_batch_reps,
+            progress,
+            "first batch of a new loader",
+        ),
+        "next epoch": interleaved(
+            {
+                name: functools.partial(next_epoch_first_batch_s, loader, spec)
+                for name, loader in live.items()
+            },
+            settings.first_batch_reps,
+            progress,
+            "first batch of a next epoch",
+        ),
     }
-    medians = {when: {name: statistics.median(reps) for name, reps in by_loader.items()}
-               for when, by_loader in reps_s.items()}
+    medians = {
+        when: {name: statistics.median(reps) for name, reps in by_loader.items()}
+        for when, by_loader in reps_s.items()
+    }
     return {
         "workload": f"jpeg: {preset.description}",
         "batch_size": FIRST_BATCH_SIZE,
@@ -143,8 +178,11 @@ def first_batch(settings: Settings, progress: Callable[[str], None], scratch: Pa
         "compared_batches": compared,
         "first_batch_s": medians,
         "reps_s": reps_s,
-        "ratios": {f"{when}: {a}/{b}": by_loader[a] / by_loader[b]
-                   for when, by_loader in medians.items() for a, b in FIRST_BATCH_RATIOS},
+        "ratios": {
+            f"{when}: {a}/{b}": by_loader[a] / by_loader[b]
+            for when, by_loader in medians.items()
+            for a, b in FIRST_BATCH_RATIOS
+        },
     }
 
 
@@ -167,14 +205,18 @@ def boundary_figures(runs: list[list[tuple[float, list[float]]]]) -> dict[str, A
     """The median interval between batches within epochs and the gaps between epochs
     (with the part of each from iter() to the first batch) of epoch_times() runs."""
     steady = [b - a for run in runs for _, arrivals in run for a, b in itertools.pairwise(arrivals)]
-    boundaries = [(earlier[1][-1], *later) for run in runs for earlier, later in itertools.pairwise(run)]
+    boundaries = [
+        (earlier[1][-1], *later) for run in runs for earlier, later in itertools.pairwise(run)
+    ]
     gaps = [arrivals[0] - last for last, _, arrivals in boundaries]
     return {
         "steady_interval_s": statistics.median(steady),
         "gap_s": statistics.median(gaps),
         "gap_max_s": max(gaps),
         "gap/steady": statistics.median(gaps) / statistics.median(steady),
-        "iter_to_first_batch_s": statistics.median(arrivals[0] - started for _, started, arrivals in boundaries),
+        "iter_to_first_batch_s": statistics.median(
+            arrivals[0] - started for _, started, arrivals in boundaries
+        ),
         "gaps_s": gaps,
     }
 
@@ -182,26 +224,45 @@ def boundary_figures(runs: list[list[tuple[float, list[float]]]]) -> dict[str, A
 def epoch_boundary(settings: Settings, progress: Callable[[str], None]) -> dict[str, Any]:
     costs = [BOUNDARY_SAMPLE_MS] * (BOUNDARY_BATCHES * BOUNDARY_BATCH_SIZE)
     loops_per_ms = spin_loops_per_ms()
-    dataset = CostDataset(random_pool(SAMPLE_SHAPE, torch.uint8), costs, busy=True, loops_per_ms=loops_per_ms)
-    makers = loaders(dataset, {"shmloader": {}, "shmloader prefetch": {"prefetch_next_epoch": True}},
-                     batch_size=BOUNDARY_BATCH_SIZE, shuffle=True, persistent_workers=True)
+    dataset = CostDataset(
+        random_pool(SAMPLE_SHAPE, torch.uint8), costs, busy=True, loops_per_ms=loops_per_ms
+    )
+    makers = loaders(
+        dataset,
+        {"shmloader": {}, "shmloader prefetch": {"prefetch_next_epoch": True}},
+        batch_size=BOUNDARY_BATCH_SIZE,
+        shuffle=True,
+        persistent_workers=True,
+    )
     # Shuffled as in training, each loader drawing from a generator seeded alike.
-    live = {name: make(generator=torch.Generator().manual_seed(SEED)) for name, make in makers.items()}
+    live = {
+        name: make(generator=torch.Generator().manual_seed(SEED)) for name, make in makers.items()
+    }
     progress("epoch boundary: two epochs of each loader, checking that their batches are equal")
     spec, compared = checked_warm_up(live)
     compared += checked_warm_up(live)[1]  # the second epoch is the first one prefetched
-    before = {name: loader.stats() for name, loader in live.items() if isinstance(loader, ShmDataLoader)}
-    runs = interleaved({name: functools.partial(epoch_times, loader, spec, settings.boundary_epochs)
-                        for name, loader in live.items()},
-                       settings.boundary_runs, progress, f"run of {settings.boundary_epochs} epochs")
+    before = {
+        name: loader.stats() for name, loader in live.items() if isinstance(loader, ShmDataLoader)
+    }
+    runs = interleaved(
+        {
+            name: functools.partial(epoch_times, loader, spec, settings.boundary_epochs)
+            for name, loader in live.items()
+        },
+        settings.boundary_runs,
+        progress,
+        f"run of {settings.boundary_epochs} epochs",
+    )
     figures = {name: boundary_figures(runs[name]) for name in live}
     for name, stats in before.items():
         after = live[name].stats()
         figures[name]["wait_fraction"] = wait_fraction(stats, after)
         figures[name]["prefetched_epochs"] = after.prefetched_epochs - stats.prefetched_epochs
     return {
-        "workload": (f"uint8 {'x'.join(map(str, SAMPLE_SHAPE))} + int label, {BOUNDARY_SAMPLE_MS} ms busy loop "
-                     f"per sample, shuffled"),
+        "workload": (
+            f"uint8 {'x'.join(map(str, SAMPLE_SHAPE))} + int label, {BOUNDARY_SAMPLE_MS} ms busy loop "
+            f"per sample, shuffled"
+        ),
         "batch_size": BOUNDARY_BATCH_SIZE,
         "batches_per_epoch": BOUNDARY_BATCHES,
         "step_s": STEP_S,
@@ -214,25 +275,46 @@ def epoch_boundary(settings: Settings, progress: Callable[[str], None]) -> dict[
     }
 
 
-def uneven_variant(busy: bool, costs: list[float], settings: Settings, loops_per_ms: float,
-                   progress: Callable[[str], None]) -> dict[str, Any]:
+def uneven_variant(
+    busy: bool,
+    costs: list[float],
+    settings: Settings,
+    loops_per_ms: float,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
     dataset = CostDataset(random_pool(SAMPLE_SHAPE, torch.uint8), costs, busy, loops_per_ms)
-    shm_options = {f"shmloader {a}": {"fetch": "sample", "assignment": a} for a in ("interleaved", "dynamic")}
+    shm_options = {
+        f"shmloader {a}": {"fetch": "sample", "assignment": a} for a in ("interleaved", "dynamic")
+    }
     makers = loaders(dataset, shm_options, batch_size=UNEVEN_BATCH_SIZE, persistent_workers=True)
     live = {name: make() for name, make in makers.items()}
     kind = "busy loop" if busy else "sleep"
-    progress(f"uneven costs ({kind}): an epoch of each loader, checking that their batches are equal")
+    progress(
+        f"uneven costs ({kind}): an epoch of each loader, checking that their batches are equal"
+    )
     spec, compared = checked_warm_up(live)
-    before = {name: loader.stats() for name, loader in live.items() if isinstance(loader, ShmDataLoader)}
-    epochs = interleaved({name: functools.partial(timed_epoch, loader, spec) for name, loader in live.items()},
-                         settings.uneven_reps, progress, f"{kind} epoch")
+    before = {
+        name: loader.stats() for name, loader in live.items() if isinstance(loader, ShmDataLoader)
+    }
+    epochs = interleaved(
+        {name: functools.partial(timed_epoch, loader, spec) for name, loader in live.items()},
+        settings.uneven_reps,
+        progress,
+        f"{kind} epoch",
+    )
     figures = {name: throughput_figures(epochs[name]) for name in live}
     for name, stats in before.items():
         figures[name]["wait_fraction"] = wait_fraction(stats, live[name].stats())
     torch_rate = figures["torch"]["samples_per_s"]
-    ratios = {f"{name}/torch": figs["samples_per_s"] / torch_rate for name, figs in figures.items() if name != "torch"}
-    ratios["shmloader dynamic/shmloader interleaved"] = (figures["shmloader dynamic"]["samples_per_s"]
-                                                         / figures["shmloader interleaved"]["samples_per_s"])
+    ratios = {
+        f"{name}/torch": figs["samples_per_s"] / torch_rate
+        for name, figs in figures.items()
+        if name != "torch"
+    }
+    ratios["shmloader dynamic/shmloader interleaved"] = (
+        figures["shmloader dynamic"]["samples_per_s"]
+        / figures["shmloader interleaved"]["samples_per_s"]
+    )
     return {
         "cost": kind,
         "compared_batches": compared,
@@ -243,11 +325,15 @@ def uneven_variant(busy: bool, costs: list[float], settings: Settings, loops_per
 
 def uneven(settings: Settings, progress: Callable[[str], None]) -> dict[str, Any]:
     loops_per_ms = spin_loops_per_ms()
-    costs = uneven_costs(settings.uneven_batches * UNEVEN_BATCH_SIZE, UNEVEN_LIGHT_MS, UNEVEN_FACTOR, UNEVEN_EVERY)
+    costs = uneven_costs(
+        settings.uneven_batches * UNEVEN_BATCH_SIZE, UNEVEN_LIGHT_MS, UNEVEN_FACTOR, UNEVEN_EVERY
+    )
     mean_cost_ms = statistics.mean(costs)
     return {
-        "workload": (f"uint8 {'x'.join(map(str, SAMPLE_SHAPE))} + int label, {UNEVEN_LIGHT_MS} ms per sample, "
-                     f"{UNEVEN_LIGHT_MS * UNEVEN_FACTOR:g} ms for a random one in {UNEVEN_EVERY}, not shuffled"),
+        "workload": (
+            f"uint8 {'x'.join(map(str, SAMPLE_SHAPE))} + int label, {UNEVEN_LIGHT_MS} ms per sample, "
+            f"{UNEVEN_LIGHT_MS * UNEVEN_FACTOR:g} ms for a random one in {UNEVEN_EVERY}, not shuffled"
+        ),
         "batch_size": UNEVEN_BATCH_SIZE,
         "batches_per_epoch": settings.uneven_batches,
         "mean_cost_ms": mean_cost_ms,
@@ -255,8 +341,10 @@ def uneven(settings: Settings, progress: Callable[[str], None]) -> dict[str, Any
         "cost_bound_samples_per_s": WORKERS * 1e3 / mean_cost_ms,
         "reps": settings.uneven_reps,
         "spin_loops_per_ms": loops_per_ms,
-        "variants": {"busy": uneven_variant(True, costs, settings, loops_per_ms, progress),
-                     "sleep": uneven_variant(False, costs, settings, loops_per_ms, progress)},
+        "variants": {
+            "busy": uneven_variant(True, costs, settings, loops_per_ms, progress),
+            "sleep": uneven_variant(False, costs, settings, loops_per_ms, progress),
+        },
     }
 
 
@@ -265,36 +353,68 @@ def target_lines(section: str, ratios: dict[str, float]) -> list[str]:
     for figure, relation, value in TARGETS[section]:
         got = ratios[figure]
         met = got <= value if relation == "<=" else got >= value
-        lines.append(f"target {figure} {relation} {value}x: {got:.2f}x, {'met' if met else 'missed'}")
+        lines.append(
+            f"target {figure} {relation} {value}x: {got:.2f}x, {'met' if met else 'missed'}"
+        )
     return lines
 
 
 def first_batch_table(record: dict[str, Any]) -> str:
     medians = record["first_batch_s"]
     rows = [["loader", *(f"{when} ms" for when in medians)]]
-    rows += [[name, *(f"{by_loader[name] * 1e3:.0f}" for by_loader in medians.values())]
-             for name in next(iter(medians.values()))]
-    rows += [[f"{a}/{b}", *(f"{record['ratios'][f'{when}: {a}/{b}']:.2f}x" for when in medians)]
-             for a, b in FIRST_BATCH_RATIOS]
-    title = (f"1. first batch: {record['workload']} ({record['cpu_ms_per_sample']:.1f} ms CPU/sample), "
-             f"batch {record['batch_size']}, {report.workers_label(WORKERS)}, median of {record['reps']} reps")
+    rows += [
+        [name, *(f"{by_loader[name] * 1e3:.0f}" for by_loader in medians.values())]
+        for name in next(iter(medians.values()))
+    ]
+    rows += [
+        [f"{a}/{b}", *(f"{record['ratios'][f'{when}: {a}/{b}']:.2f}x" for when in medians)]
+        for a, b in FIRST_BATCH_RATIOS
+    ]
+    title = (
+        f"1. first batch: {record['workload']} ({record['cpu_ms_per_sample']:.1f} ms CPU/sample), "
+        f"batch {record['batch_size']}, {report.workers_label(WORKERS)}, median of {record['reps']} reps"
+    )
     return "\n".join([title, *report.aligned(rows), *target_lines("first_batch", record["ratios"])])
 
 
 def boundary_table(record: dict[str, Any]) -> str:
-    rows = [["loader", "steady ms", "gap ms", "max gap ms", "gap/steady", "iter() to batch ms", "wait fraction",
-             "prefetched epochs"]]
+    rows = [
+        [
+            "loader",
+            "steady ms",
+            "gap ms",
+            "max gap ms",
+            "gap/steady",
+            "iter() to batch ms",
+            "wait fraction",
+            "prefetched epochs",
+        ]
+    ]
     for name, f in record["loaders"].items():
         shm = "wait_fraction" in f
-        milliseconds = (f"{f[key] * 1e3:.1f}" for key in ("steady_interval_s", "gap_s", "gap_max_s"))
-        rows.append([name, *milliseconds, f"{f['gap/steady']:.2f}x", f"{f['iter_to_first_batch_s'] * 1e3:.1f}",
-                     f"{f['wait_fraction']:.0%}" if shm else "", str(f["prefetched_epochs"]) if shm else ""])
+        milliseconds = (
+            f"{f[key] * 1e3:.1f}" for key in ("steady_interval_s", "gap_s", "gap_max_s")
+        )
+        rows.append(
+            [
+                name,
+                *milliseconds,
+                f"{f['gap/steady']:.2f}x",
+                f"{f['iter_to_first_batch_s'] * 1e3:.1f}",
+                f"{f['wait_fraction']:.0%}" if shm else "",
+                str(f["prefetched_epochs"]) if shm else "",
+            ]
+        )
     epochs = record["runs"] * record["epochs_per_run"]
-    title = (f"2. epoch boundary, persistent workers: {record['workload']}, "
-             f"batch {record['batch_size']}, {record['batches_per_epoch']} batches/epoch, "
-             f"{report.workers_label(WORKERS)}, {record['step_s'] * 1e3:g} ms step; medians over "
-             f"{record['runs']} runs of {record['epochs_per_run']} epochs ({epochs - record['runs']} gaps)")
-    return "\n".join([title, *report.aligned(rows), *target_lines("epoch_boundary", record["ratios"])])
+    title = (
+        f"2. epoch boundary, persistent workers: {record['workload']}, "
+        f"batch {record['batch_size']}, {record['batches_per_epoch']} batches/epoch, "
+        f"{report.workers_label(WORKERS)}, {record['step_s'] * 1e3:g} ms step; medians over "
+        f"{record['runs']} runs of {record['epochs_per_run']} epochs ({epochs - record['runs']} gaps)"
+    )
+    return "\n".join(
+        [title, *report.aligned(rows), *target_lines("epoch_boundary", record["ratios"])]
+    )
 
 
 def uneven_table(record: dict[str, Any]) -> str:
@@ -303,25 +423,43 @@ def uneven_table(record: dict[str, Any]) -> str:
     for variant in record["variants"].values():
         for name, f in variant["loaders"].items():
             ratio = variant["ratios"].get(f"{name}/torch")
-            rows.append([name, variant["cost"], f"{f['samples_per_s']:,.0f}", f"{f['samples_per_s'] / bound:.0%}",
-                         f"{f['throughput_spread']:.0%}",
-                         f"{f['wait_fraction']:.0%}" if "wait_fraction" in f else "",
-                         "" if ratio is None else f"{ratio:.2f}x"])
-    title = (f"3. uneven costs, persistent workers: {record['workload']} (mean {record['mean_cost_ms']:.2f} ms), "
-             f"batch {record['batch_size']}, {record['batches_per_epoch']} batches/epoch, "
-             f"{report.workers_label(WORKERS)}, median of {record['reps']} epochs")
-    lines = [title, *report.aligned(rows),
-             f"bound: {bound:,.0f} samples/s, {report.workers_label(WORKERS)} "
-             "busy all the time with samples at their nominal cost (a sleep's overshoot not counted)"]
+            rows.append(
+                [
+                    name,
+                    variant["cost"],
+                    f"{f['samples_per_s']:,.0f}",
+                    f"{f['samples_per_s'] / bound:.0%}",
+                    f"{f['throughput_spread']:.0%}",
+                    f"{f['wait_fraction']:.0%}" if "wait_fraction" in f else "",
+                    "" if ratio is None else f"{ratio:.2f}x",
+                ]
+            )
+    title = (
+        f"3. uneven costs, persistent workers: {record['workload']} (mean {record['mean_cost_ms']:.2f} ms), "
+        f"batch {record['batch_size']}, {record['batches_per_epoch']} batches/epoch, "
+        f"{report.workers_label(WORKERS)}, median of {record['reps']} epochs"
+    )
+    lines = [
+        title,
+        *report.aligned(rows),
+        f"bound: {bound:,.0f} samples/s, {report.workers_label(WORKERS)} "
+        "busy all the time with samples at their nominal cost (a sleep's overshoot not counted)",
+    ]
     for variant in record["variants"].values():
-        lines += [f"{variant['cost']}: {line}" for line in target_lines("uneven", variant["ratios"])]
+        lines += [
+            f"{variant['cost']}: {line}" for line in target_lines("uneven", variant["ratios"])
+        ]
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and shorter epochs")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON path (default: %(default)s)")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="JSON path (default: %(default)s)"
+    )
     return parser.parse_args(argv)
 
 
@@ -335,7 +473,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     with tempfile.TemporaryDirectory(prefix="shmloader-features-") as scratch:
         sections = {
-            "first_batch": (functools.partial(first_batch, scratch=Path(scratch)), first_batch_table),
+            "first_batch": (
+                functools.partial(first_batch, scratch=Path(scratch)),
+                first_batch_table,
+            ),
             "epoch_boundary": (epoch_boundary, boundary_table),
             "uneven": (uneven, uneven_table),
         }
@@ -347,10 +488,14 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit(f"[{name}] {error}")
             progress.clear()
             document["load_average"]["end"] = os.getloadavg()
-            report.write_json(document, args.out)  # after every section, so that a broken-off run keeps its figures
+            report.write_json(
+                document, args.out
+            )  # after every section, so that a broken-off run keeps its figures
             print(table(document[name]) + "\n")
     load = document["load_average"]
-    print(f"load average (1, 5, 15 min): {_loads(load['start'])} at the start, {_loads(load['end'])} at the end")
+    print(
+        f"load average (1, 5, 15 min): {_loads(load['start'])} at the start, {_loads(load['end'])} at the end"
+    )
     print(f"figures written to {args.out}")
 
 

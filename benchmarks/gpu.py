@@ -11,6 +11,7 @@ included: torch pins in a thread of the main process), and the GB/s of a plain p
 copy of one batch (cudaMemcpy from page-locked memory) as the ceiling. Epochs alternate
 between loaders; figures are medians. Results go to results/gpu.json.
 """
+
 import argparse
 import json
 import statistics
@@ -18,10 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+import report
 import torch
 import torch.utils.data
-
-import report
 from workloads import PRESETS
 
 import shmloader
@@ -50,8 +50,11 @@ def epoch(loader, copy: bool) -> dict:
         batches += 1
     torch.cuda.synchronize()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    return {"samples_per_s": samples / wall, "gb_per_s": nbytes / wall / 1e9,
-            "cpu_ms_per_batch": cpu / batches * 1e3}
+    return {
+        "samples_per_s": samples / wall,
+        "gb_per_s": nbytes / wall / 1e9,
+        "cpu_ms_per_batch": cpu / batches * 1e3,
+    }
 
 
 def pinned_copy_gb_per_s(batch_bytes: int) -> float:
@@ -77,8 +80,10 @@ def measure(name: str, quick: bool) -> dict:
     for _ in range(REPS[quick]):
         for label, (loader, copy) in runs.items():
             results[label].append(epoch(loader, copy))
-    figures = {label: {k: statistics.median(r[k] for r in reps) for k in reps[0]}
-               for label, reps in results.items()}
+    figures = {
+        label: {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+        for label, reps in results.items()
+    }
     ceiling = pinned_copy_gb_per_s(preset.batch_size * preset.sample_bytes)
     for f in figures.values():
         f["fraction_of_pinned_copy"] = f["gb_per_s"] / ceiling
@@ -101,9 +106,11 @@ def main(argv=None) -> None:
         record = document["presets"][name] = measure(name, args.quick)
         print(f"{name}: plain pinned copy {record['pinned_copy_gb_per_s']:.1f} GB/s")
         for label, f in record["loaders"].items():
-            print(f"  {label:<24}{f['samples_per_s']:>10,.0f} samples/s {f['gb_per_s']:>6.1f} GB/s "
-                  f"({f['fraction_of_pinned_copy']:.0%} of pinned copy)  {f['vs_torch']:.2f}x torch  "
-                  f"main CPU {f['cpu_ms_per_batch']:.2f} ms/batch")
+            print(
+                f"  {label:<24}{f['samples_per_s']:>10,.0f} samples/s {f['gb_per_s']:>6.1f} GB/s "
+                f"({f['fraction_of_pinned_copy']:.0%} of pinned copy)  {f['vs_torch']:.2f}x torch  "
+                f"main CPU {f['cpu_ms_per_batch']:.2f} ms/batch"
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=2))
     print(f"\nfigures written to {args.out}")

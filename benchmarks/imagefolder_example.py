@@ -11,16 +11,16 @@ The transforms draw from torch's global generator, as torchvision's do, and each
 loader's workers seed it alike: compare checks the loaders' batches exactly. bench.py
 runs the same dataset as its `imagefolder` preset.
 """
+
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+import jpeg_folder
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
-
-import jpeg_folder
 
 DEFAULT_ROOT = Path(tempfile.gettempdir()) / "shmloader-imagefolder-example"
 MEAN = (0.485, 0.456, 0.406)  # ImageNet's, as every torchvision training script normalises
@@ -46,7 +46,11 @@ class RandomResizedCrop:
 
 class RandomHorizontalFlip:
     def __call__(self, image: Image.Image) -> Image.Image:
-        return image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if torch.rand(1).item() < 0.5 else image
+        return (
+            image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            if torch.rand(1).item() < 0.5
+            else image
+        )
 
 
 class ToTensor:
@@ -71,8 +75,11 @@ class ImageFolder(Dataset):
 
     def __init__(self, root: Path, transform: Callable[[Image.Image], Any]):
         self.classes = sorted(p.name for p in root.iterdir() if p.is_dir())
-        self.samples = [(path, label) for label, name in enumerate(self.classes)
-                        for path in sorted((root / name).glob("*.jpg"))]
+        self.samples = [
+            (path, label)
+            for label, name in enumerate(self.classes)
+            for path in sorted((root / name).glob("*.jpg"))
+        ]
         self.transform = transform
 
     def __len__(self) -> int:
@@ -85,8 +92,13 @@ class ImageFolder(Dataset):
         return self.transform(image), label
 
 
-def make_dataset(root: str = str(DEFAULT_ROOT), images_per_class: int = jpeg_folder.IMAGES_PER_CLASS) -> ImageFolder:
+def make_dataset(
+    root: str = str(DEFAULT_ROOT), images_per_class: int = jpeg_folder.IMAGES_PER_CLASS
+) -> ImageFolder:
     """The training set: images_per_class generated JPEGs in each of jpeg_folder.CLASSES
     classes, under root (generated on the first call)."""
     folder = jpeg_folder.ensure_tree(Path(root) / f"{images_per_class}-per-class", images_per_class)
-    return ImageFolder(folder, Compose([RandomResizedCrop(), RandomHorizontalFlip(), ToTensor(), Normalize(MEAN, STD)]))
+    return ImageFolder(
+        folder,
+        Compose([RandomResizedCrop(), RandomHorizontalFlip(), ToTensor(), Normalize(MEAN, STD)]),
+    )

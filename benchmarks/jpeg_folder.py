@@ -7,6 +7,7 @@ and torch because torchvision is not a dependency. Its random draws come from a
 generator seeded with the sample's index, so every loader crops every sample alike and
 their batches can be compared for equality.
 """
+
 import math
 from pathlib import Path
 
@@ -39,7 +40,9 @@ def ensure_tree(root: Path, images_per_class: int = IMAGES_PER_CLASS) -> Path:
         folder.mkdir(parents=True)
         for i in range(images_per_class):
             width, height = SIZES[i % len(SIZES)]
-            Image.fromarray(synthetic_photo(rng, width, height)).save(folder / f"image_{i:04d}.jpg", quality=QUALITY)
+            Image.fromarray(synthetic_photo(rng, width, height)).save(
+                folder / f"image_{i:04d}.jpg", quality=QUALITY
+            )
     return root
 
 
@@ -58,7 +61,11 @@ class JpegFolderDataset(Dataset):
     def __init__(self, root: Path, length: int):
         # Sorted, as ImageFolder lists them: a class per folder, in name order.
         folders = sorted(p for p in root.iterdir() if p.is_dir())
-        self.files = [(path, label) for label, folder in enumerate(folders) for path in sorted(folder.glob("*.jpg"))]
+        self.files = [
+            (path, label)
+            for label, folder in enumerate(folders)
+            for path in sorted(folder.glob("*.jpg"))
+        ]
         self.length = length
 
     def __len__(self) -> int:
@@ -79,10 +86,14 @@ class JpegFolderDataset(Dataset):
 def random_resized_crop(image: Image.Image, generator: torch.Generator | None) -> Image.Image:
     left, top, width, height = crop_box(image.width, image.height, generator)
     # Pillow crops and resizes in one pass when given a box.
-    return image.resize((CROP, CROP), Image.Resampling.BILINEAR, box=(left, top, left + width, top + height))
+    return image.resize(
+        (CROP, CROP), Image.Resampling.BILINEAR, box=(left, top, left + width, top + height)
+    )
 
 
-def crop_box(width: int, height: int, generator: torch.Generator | None) -> tuple[int, int, int, int]:
+def crop_box(
+    width: int, height: int, generator: torch.Generator | None
+) -> tuple[int, int, int, int]:
     """(left, top, width, height): torchvision's RandomResizedCrop.get_params, drawing
     from `generator` (None: torch's global generator, as torchvision draws)."""
     area = width * height

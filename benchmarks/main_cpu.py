@@ -20,6 +20,7 @@ code on caches that other processes have since filled (the main process sleeps i
 poll() between batches), not work that grows with batch bytes. Figures go to
 results/main_cpu.json.
 """
+
 import argparse
 import functools
 import statistics
@@ -27,10 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+import report
 import torch
 from torch.utils.data import Dataset
-
-import report
 
 import shmloader
 from shmloader.bench.measure import batch_spec, interleaved, timed_epoch
@@ -83,25 +83,49 @@ def main(argv=None) -> None:
         dataset = SpacedBatches(batches, interval_ms)
         row = {"interval_ms": interval_ms, "batches": batches}
         print(f"batches every ~{interval_ms} ms ...", file=sys.stderr)
-        loaders = {name: cls(dataset, batch_size=BATCH_SIZE, num_workers=WORKERS, persistent_workers=True)
-                   for name, cls in (("torch", torch.utils.data.DataLoader),
-                                     ("shmloader", shmloader.DataLoader))}
+        loaders = {
+            name: cls(dataset, batch_size=BATCH_SIZE, num_workers=WORKERS, persistent_workers=True)
+            for name, cls in (
+                ("torch", torch.utils.data.DataLoader),
+                ("shmloader", shmloader.DataLoader),
+            )
+        }
         spec = batch_spec(next(iter(loaders["torch"])))
         for loader in loaders.values():  # a warm-up epoch each
             epoch_ms_per_batch(loader, spec)
-        figures = interleaved({name: functools.partial(epoch_ms_per_batch, loader, spec)
-                               for name, loader in loaders.items()}, EPOCHS, _quiet, "epoch")
+        figures = interleaved(
+            {
+                name: functools.partial(epoch_ms_per_batch, loader, spec)
+                for name, loader in loaders.items()
+            },
+            EPOCHS,
+            _quiet,
+            "epoch",
+        )
         for name, epochs in figures.items():
             row[f"{name}_cpu_ms"] = statistics.median(cpu for cpu, _ in epochs)
             row[f"{name}_wall_ms"] = statistics.median(wall for _, wall in epochs)
         del loaders
         rows.append(row)
-    lines = [["target between batches", "torch: between batches", "CPU ms/batch",
-              "shmloader: between batches", "CPU ms/batch"]]
+    lines = [
+        [
+            "target between batches",
+            "torch: between batches",
+            "CPU ms/batch",
+            "shmloader: between batches",
+            "CPU ms/batch",
+        ]
+    ]
     for row in rows:
-        lines.append([f"{row['interval_ms']} ms",
-                      f"{row['torch_wall_ms']:.2f} ms", f"{row['torch_cpu_ms']:.3f}",
-                      f"{row['shmloader_wall_ms']:.2f} ms", f"{row['shmloader_cpu_ms']:.3f}"])
+        lines.append(
+            [
+                f"{row['interval_ms']} ms",
+                f"{row['torch_wall_ms']:.2f} ms",
+                f"{row['torch_cpu_ms']:.3f}",
+                f"{row['shmloader_wall_ms']:.2f} ms",
+                f"{row['shmloader_cpu_ms']:.3f}",
+            ]
+        )
     print("\n".join(report.aligned(lines)))
     document["rows"] = rows
     report.write_json(document, args.out)

@@ -1,4 +1,5 @@
 """Turning measurements into figures, the terminal table and the JSON record."""
+
 import dataclasses
 import datetime
 import importlib.metadata
@@ -14,10 +15,9 @@ from typing import Any
 import numpy
 import torch
 
+import shmloader
 from shmloader.bench.measure import Epoch
 from shmloader.bench.memory import psutil
-
-import shmloader
 
 REFERENCE = "torch"
 LIMIT = "limit"  # the transport-free limit's name in epochs, records and charts
@@ -37,24 +37,35 @@ def throughput_figures(epochs: list[Epoch]) -> dict[str, Any]:
     }
 
 
-def figures(epochs: list[Epoch], first_batch_reps_s: list[float], memory: dict[str, Any] | None,
-            stats: Any, limit: dict[str, Any]) -> dict[str, Any]:
+def figures(
+    epochs: list[Epoch],
+    first_batch_reps_s: list[float],
+    memory: dict[str, Any] | None,
+    stats: Any,
+    limit: dict[str, Any],
+) -> dict[str, Any]:
     """One loader's figures, with its throughput as a fraction of the limit's."""
     result = throughput_figures(epochs)
-    result.update({
-        "fraction_of_limit": result["samples_per_s"] / limit["samples_per_s"],
-        # What the training loop loses to the loader: the main process's CPU less the
-        # consumer's own (the same reads for every loader, though they cost more on
-        # torch's fresh segments), with both kept beside it.
-        "cpu_s_per_batch": statistics.median(e.loader_cpu_s / e.batches for e in epochs),
-        "main_cpu_s_per_batch": statistics.median(e.cpu_s / e.batches for e in epochs),
-        "consumer_cpu_s_per_batch": statistics.median(e.consumer_cpu_s / e.batches for e in epochs),
-        "first_batch_s": statistics.median(first_batch_reps_s),
-        "memory": memory,
-        "first_batch_reps_s": first_batch_reps_s,
-    })
+    result.update(
+        {
+            "fraction_of_limit": result["samples_per_s"] / limit["samples_per_s"],
+            # What the training loop loses to the loader: the main process's CPU less the
+            # consumer's own (the same reads for every loader, though they cost more on
+            # torch's fresh segments), with both kept beside it.
+            "cpu_s_per_batch": statistics.median(e.loader_cpu_s / e.batches for e in epochs),
+            "main_cpu_s_per_batch": statistics.median(e.cpu_s / e.batches for e in epochs),
+            "consumer_cpu_s_per_batch": statistics.median(
+                e.consumer_cpu_s / e.batches for e in epochs
+            ),
+            "first_batch_s": statistics.median(first_batch_reps_s),
+            "memory": memory,
+            "first_batch_reps_s": first_batch_reps_s,
+        }
+    )
     if stats is not None:
-        result["stats"] = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else repr(stats)
+        result["stats"] = (
+            dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else repr(stats)
+        )
     return result
 
 
@@ -69,7 +80,9 @@ def ratios(loaders: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
             continue
         ratio = {key: figs[key] / ref[key] for key in RATIO_FIGURES}
         if figs["memory"] and ref["memory"]:
-            ratio["added_pss_bytes"] = figs["memory"]["added_pss_bytes"] / ref["memory"]["added_pss_bytes"]
+            ratio["added_pss_bytes"] = (
+                figs["memory"]["added_pss_bytes"] / ref["memory"]["added_pss_bytes"]
+            )
         result[f"{name}/{REFERENCE}"] = ratio
     return result
 
@@ -95,10 +108,18 @@ def machine() -> dict[str, Any]:
 def _commit(path: str) -> str | None:
     """The git commit of the checkout that holds `path`, "+" if it has changes."""
     try:
-        head = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", path, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "-C", path, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        dirty = subprocess.run(
+            ["git", "-C", path, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except OSError:  # no git
         return None
     if head.returncode:
@@ -124,13 +145,17 @@ def workers_label(workers: int) -> str:
 
 
 def machine_line(m: dict[str, Any]) -> str:
-    return (f"{m['cores']} cores ({m['cpu_model']}), {m['memory_bytes'] / 2**30:.1f} GiB, Python {m['python']}, "
-            f"torch {m['torch']}, numpy {m['numpy']}, {m['platform']}, shmloader at {m['shmloader_commit']}")
+    return (
+        f"{m['cores']} cores ({m['cpu_model']}), {m['memory_bytes'] / 2**30:.1f} GiB, Python {m['python']}, "
+        f"torch {m['torch']}, numpy {m['numpy']}, {m['platform']}, shmloader at {m['shmloader_commit']}"
+    )
 
 
 def _cpu_model() -> str | None:
     with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+        return next(
+            (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None
+        )
 
 
 def _meminfo_bytes(field: str) -> int:
@@ -163,6 +188,7 @@ def write_json(record: dict[str, Any], path: Path) -> None:
 class Column:
     """A column of the table: where its figure is in a loader's (or the limit's)
     figures, and whether the ratio rows show it too."""
+
     heading: str
     path: tuple[str, ...]  # keys, outermost first
     template: str
@@ -196,22 +222,32 @@ _COLUMNS = [
 def table(record: dict[str, Any]) -> str:
     """The terminal table of one run's record: the loaders, the limit, the ratios."""
     p, s = record["preset"], record["settings"]
-    title = (f"{p['name']}: {p['sample']}, batch {s['batch_size']}, {workers_label(s['workers'])}, "
-             f"{s['batches_per_epoch']} batches/epoch, median of {s['reps']} reps")
+    title = (
+        f"{p['name']}: {p['sample']}, batch {s['batch_size']}, {workers_label(s['workers'])}, "
+        f"{s['batches_per_epoch']} batches/epoch, median of {s['reps']} reps"
+    )
     figures_rows = [*record["loaders"].items(), (LIMIT, record["limit"])]
     rows = [[name, *(c.cell(figs) for c in _COLUMNS)] for name, figs in figures_rows]
     rows += [[name, *(c.ratio_cell(r) for c in _COLUMNS)] for name, r in record["ratios"].items()]
     lines = [title, *aligned([["loader", *(c.heading for c in _COLUMNS)], *rows])]
-    lines.append("ratios: higher is better for samples/s and GB/s; lower for CPU, first batch and memory")
-    lines.append("main CPU: the main process's CPU per batch less the consumer's own (reading one element "
-                 "per tensor); growth: the tree's PSS between epochs, after the last memory epoch less after the second")
-    lines.append(f"{LIMIT}: the same {workers_label(s['workers'])} fetching the same batches and stacking them "
-                 "(large plain rows as shmloader copies them, the rest with torch.stack) into shared memory of their "
-                 "own, with no hand-off")
+    lines.append(
+        "ratios: higher is better for samples/s and GB/s; lower for CPU, first batch and memory"
+    )
+    lines.append(
+        "main CPU: the main process's CPU per batch less the consumer's own (reading one element "
+        "per tensor); growth: the tree's PSS between epochs, after the last memory epoch less after the second"
+    )
+    lines.append(
+        f"{LIMIT}: the same {workers_label(s['workers'])} fetching the same batches and stacking them "
+        "(large plain rows as shmloader copies them, the rest with torch.stack) into shared memory of their "
+        "own, with no hand-off"
+    )
     check = record["correctness"]
     if check["compared"]:
-        lines.append(f"equality check: {' and '.join(check['compared'])} yielded the same "
-                     f"{check['batches']} batches as {check['reference']}")
+        lines.append(
+            f"equality check: {' and '.join(check['compared'])} yielded the same "
+            f"{check['batches']} batches as {check['reference']}"
+        )
     return "\n".join(lines)
 
 
@@ -220,13 +256,25 @@ def summary(records: list[dict[str, Any]]) -> str:
     fraction of the limit, and the ratios to torch."""
     loaders = list(records[0]["loaders"])
     ratios = list(records[0]["ratios"])
-    header = ["workload", "workers", "batch", *(f"{n} samples/s" for n in [*loaders, LIMIT]),
-              *(f"{n} of limit" for n in loaders), *ratios]
-    rows = [[r["preset"]["name"], str(r["settings"]["workers"]), str(r["settings"]["batch_size"]),
-             *(f"{f['samples_per_s']:,.0f}" for f in [*r["loaders"].values(), r["limit"]]),
-             *(f"{f['fraction_of_limit']:.0%}" for f in r["loaders"].values()),
-             *(f"{ratio['samples_per_s']:.2f}x" for ratio in r["ratios"].values())]
-            for r in records]
+    header = [
+        "workload",
+        "workers",
+        "batch",
+        *(f"{n} samples/s" for n in [*loaders, LIMIT]),
+        *(f"{n} of limit" for n in loaders),
+        *ratios,
+    ]
+    rows = [
+        [
+            r["preset"]["name"],
+            str(r["settings"]["workers"]),
+            str(r["settings"]["batch_size"]),
+            *(f"{f['samples_per_s']:,.0f}" for f in [*r["loaders"].values(), r["limit"]]),
+            *(f"{f['fraction_of_limit']:.0%}" for f in r["loaders"].values()),
+            *(f"{ratio['samples_per_s']:.2f}x" for ratio in r["ratios"].values()),
+        ]
+        for r in records
+    ]
     return "\n".join(["summary (samples/s, medians)", *aligned([header, *rows])])
 
 
@@ -234,8 +282,12 @@ def aligned(rows: list[list[str]]) -> list[str]:
     """Rows of cells as lines: the first column left-aligned, the others right-aligned,
     each as wide as its widest cell."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]).rstrip()
-            for row in rows]
+    return [
+        "  ".join(
+            [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]
+        ).rstrip()
+        for row in rows
+    ]
 
 
 # The figures section of docs/benchmarks.md, written from the JSON in benchmarks/results/
@@ -252,12 +304,15 @@ END = "<!-- figures: end -->"
 def docs_machine_line(m: dict[str, Any]) -> str:
     """The machine in one line, as the docs give it: no commit (that is history, kept in
     CHANGELOG.md), the version of shmloader instead."""
-    return (f"{m['cores']} cores ({m['cpu_model']}), {m['memory_bytes'] / 2**30:.1f} GiB, Python {m['python']}, "
-            f"torch {m['torch']}, numpy {m['numpy']}, {m['platform']}, shmloader {m.get('shmloader')}")
+    return (
+        f"{m['cores']} cores ({m['cpu_model']}), {m['memory_bytes'] / 2**30:.1f} GiB, Python {m['python']}, "
+        f"torch {m['torch']}, numpy {m['numpy']}, {m['platform']}, shmloader {m.get('shmloader')}"
+    )
 
 
 def _digest(path: Path) -> str:
     import hashlib
+
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
@@ -274,7 +329,9 @@ def _head(cells: list[str]) -> list[str]:
     return [_row(cells), _row(["---"] * len(cells))]
 
 
-def _figure(figs: dict[str, Any] | None, *path: str, template: str = "{:,.0f}", scale: float = 1) -> str:
+def _figure(
+    figs: dict[str, Any] | None, *path: str, template: str = "{:,.0f}", scale: float = 1
+) -> str:
     value = figs
     for key in path:
         value = value.get(key) if isinstance(value, dict) else None
@@ -288,37 +345,73 @@ def throughput_markdown(document: dict[str, Any]) -> list[str]:
     names = list(runs[0]["loaders"])
     both = _joined(names)
     ratio_names = list(runs[0]["ratios"])
-    lines = _head(["workload", "workers", "batch", f"samples/s, {both} / limit", f"GB/s, {both}",
-                   *(f"{r} samples/s" for r in ratio_names), f"of limit, {both}",
-                   f"main CPU ms per batch, {both} (whole main process)", f"first batch s, {both}",
-                   f"added MiB, {both}", f"growth MiB, {both}", f"spread, {both}"])
+    lines = _head(
+        [
+            "workload",
+            "workers",
+            "batch",
+            f"samples/s, {both} / limit",
+            f"GB/s, {both}",
+            *(f"{r} samples/s" for r in ratio_names),
+            f"of limit, {both}",
+            f"main CPU ms per batch, {both} (whole main process)",
+            f"first batch s, {both}",
+            f"added MiB, {both}",
+            f"growth MiB, {both}",
+            f"spread, {both}",
+        ]
+    )
     for run in runs:
         loaders = [run["loaders"][n] for n in names]
-        main_cpu = [f"{_figure(f, 'cpu_s_per_batch', template='{:.2f}', scale=1e3)} "
-                    f"({_figure(f, 'main_cpu_s_per_batch', template='{:.2f}', scale=1e3)})" for f in loaders]
-        lines.append(_row([
-            f"`{run['preset']['name']}`: {run['preset']['sample']}",
-            str(run["settings"]["workers"]), str(run["settings"]["batch_size"]),
-            _joined([_figure(f, "samples_per_s") for f in [*loaders, run["limit"]]]),
-            _joined([_figure(f, "gb_per_s", template="{:.2f}") for f in loaders]),
-            *(f"**{_figure(run['ratios'][r], 'samples_per_s', template='{:.2f}x')}**" for r in ratio_names),
-            _joined([_figure(f, "fraction_of_limit", template="{:.0%}") for f in loaders]),
-            _joined(main_cpu),
-            _joined([_figure(f, "first_batch_s", template="{:.3f}") for f in loaders]),
-            _joined([_figure(f, "memory", "added_pss_bytes", scale=2**-20) for f in loaders]),
-            _joined([_figure(f, "memory", "growth_pss_bytes", template="{:+,.0f}", scale=2**-20) for f in loaders]),
-            _joined([_figure(f, "throughput_spread", template="{:.0%}") for f in loaders]),
-        ]))
+        main_cpu = [
+            f"{_figure(f, 'cpu_s_per_batch', template='{:.2f}', scale=1e3)} "
+            f"({_figure(f, 'main_cpu_s_per_batch', template='{:.2f}', scale=1e3)})"
+            for f in loaders
+        ]
+        lines.append(
+            _row(
+                [
+                    f"`{run['preset']['name']}`: {run['preset']['sample']}",
+                    str(run["settings"]["workers"]),
+                    str(run["settings"]["batch_size"]),
+                    _joined([_figure(f, "samples_per_s") for f in [*loaders, run["limit"]]]),
+                    _joined([_figure(f, "gb_per_s", template="{:.2f}") for f in loaders]),
+                    *(
+                        f"**{_figure(run['ratios'][r], 'samples_per_s', template='{:.2f}x')}**"
+                        for r in ratio_names
+                    ),
+                    _joined([_figure(f, "fraction_of_limit", template="{:.0%}") for f in loaders]),
+                    _joined(main_cpu),
+                    _joined([_figure(f, "first_batch_s", template="{:.3f}") for f in loaders]),
+                    _joined(
+                        [_figure(f, "memory", "added_pss_bytes", scale=2**-20) for f in loaders]
+                    ),
+                    _joined(
+                        [
+                            _figure(
+                                f, "memory", "growth_pss_bytes", template="{:+,.0f}", scale=2**-20
+                            )
+                            for f in loaders
+                        ]
+                    ),
+                    _joined([_figure(f, "throughput_spread", template="{:.0%}") for f in loaders]),
+                ]
+            )
+        )
     settings = runs[0]["settings"]
-    lines += ["", f"Median of {settings['reps']} timed epochs of {settings['batches_per_epoch']} batches "
-                  f"(first run; every run's own in the JSON) after a warm-up epoch; "
-                  f"{_joined(runs[0]['correctness']['compared']) or 'no loader'} checked equal to "
-                  f"{runs[0]['correctness']['reference']} on the warm-up epoch."]
+    lines += [
+        "",
+        f"Median of {settings['reps']} timed epochs of {settings['batches_per_epoch']} batches "
+        f"(first run; every run's own in the JSON) after a warm-up epoch; "
+        f"{_joined(runs[0]['correctness']['compared']) or 'no loader'} checked equal to "
+        f"{runs[0]['correctness']['reference']} on the warm-up epoch.",
+    ]
     return lines
 
 
 def _shm_failure(figs: dict[str, Any]) -> str:
     import re
+
     message = re.sub(r" for file <[^>]*>", "", figs["failed"])
     message = re.sub(r"^(\w+: )\1+", r"\1", message)  # "RuntimeError: RuntimeError: ..." once
     return f"fails in epoch {figs['failed_in_epoch']} (`{message}`)"
@@ -330,24 +423,57 @@ def container_markdown(document: dict[str, Any]) -> list[str]:
     runs = document["runs"]
     names = list(next(iter(runs[0]["conditions"].values())))
     both = _joined(names)
-    lines = _head(["workload", "workers", "batch", "/dev/shm", *(f"{n} samples/s" for n in names),
-                   "shmloader / torch", f"/dev/shm used (peak MiB), {both}", f"same batches as torch, {both}"])
+    lines = _head(
+        [
+            "workload",
+            "workers",
+            "batch",
+            "/dev/shm",
+            *(f"{n} samples/s" for n in names),
+            "shmloader / torch",
+            f"/dev/shm used (peak MiB), {both}",
+            f"same batches as torch, {both}",
+        ]
+    )
     for run in runs:
         for condition, by_loader in run["conditions"].items():
             figs = [by_loader.get(n, {}) for n in names]
-            rates = [f"{f['samples_per_s']:,.0f}" if "samples_per_s" in f
-                     else _shm_failure(f) if "failed" in f else "-" for f in figs]
+            rates = [
+                f"{f['samples_per_s']:,.0f}"
+                if "samples_per_s" in f
+                else _shm_failure(f)
+                if "failed" in f
+                else "-"
+                for f in figs
+            ]
             ratio = "-"
             if all("samples_per_s" in by_loader.get(n, {}) for n in ("torch", "shmloader")):
                 ratio = f"{by_loader['shmloader']['samples_per_s'] / by_loader['torch']['samples_per_s']:.2f}x"
             shm = "roomy" if condition == "roomy" else f"{condition} (as a container's)"
-            lines.append(_row([
-                f"`{run['preset']}`", str(run["workers"]), str(run["batch_size"]), shm, *rates, ratio,
-                _joined([_figure(f, "dev_shm_peak_bytes", scale=2**-20) for f in figs]),
-                _joined([{True: "yes", False: "NO"}.get(f.get("same_batches_as_torch"), "-") for f in figs]),
-            ]))
-    lines += ["", f"{runs[0]['epochs']} epochs per loader, a plain persistent loop; samples/s is the median of "
-                  "the epochs after the first (which starts the workers)."]
+            lines.append(
+                _row(
+                    [
+                        f"`{run['preset']}`",
+                        str(run["workers"]),
+                        str(run["batch_size"]),
+                        shm,
+                        *rates,
+                        ratio,
+                        _joined([_figure(f, "dev_shm_peak_bytes", scale=2**-20) for f in figs]),
+                        _joined(
+                            [
+                                {True: "yes", False: "NO"}.get(f.get("same_batches_as_torch"), "-")
+                                for f in figs
+                            ]
+                        ),
+                    ]
+                )
+            )
+    lines += [
+        "",
+        f"{runs[0]['epochs']} epochs per loader, a plain persistent loop; samples/s is the median of "
+        "the epochs after the first (which starts the workers).",
+    ]
     return lines
 
 
@@ -383,16 +509,28 @@ def figures_section(results: Path = RESULTS) -> str:
             skipped.append(path.name)
             continue
         command = " ".join(["python", *document.get("command", ["?"])])
-        lines += [f"### `benchmarks/results/{path.name}`", "",
-                  f"<!-- source: {path.name} sha256:{_digest(path)} -->",
-                  f"`{command}` on {docs_machine_line(document['machine'])}.", "",
-                  *_RENDERERS[kind](document), ""]
+        lines += [
+            f"### `benchmarks/results/{path.name}`",
+            "",
+            f"<!-- source: {path.name} sha256:{_digest(path)} -->",
+            f"`{command}` on {docs_machine_line(document['machine'])}.",
+            "",
+            *_RENDERERS[kind](document),
+            "",
+        ]
     if not paths:
-        lines += ["No results in `benchmarks/results/` when this section was written: run a benchmark "
-                  "(see [Running it](#running-it)), then `python benchmarks/report.py`.", ""]
+        lines += [
+            "No results in `benchmarks/results/` when this section was written: run a benchmark "
+            "(see [Running it](#running-it)), then `python benchmarks/report.py`.",
+            "",
+        ]
     if skipped:
-        lines += ["Not drawn here (no table for their kind yet): "
-                  + ", ".join(f"`benchmarks/results/{name}`" for name in skipped) + ".", ""]
+        lines += [
+            "Not drawn here (no table for their kind yet): "
+            + ", ".join(f"`benchmarks/results/{name}`" for name in skipped)
+            + ".",
+            "",
+        ]
     lines.append(END)
     return "\n".join(lines)
 
@@ -405,11 +543,20 @@ def replace_section(page: str, section: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    parser = argparse.ArgumentParser(description="Write the figures section of docs/benchmarks.md from "
-                                                 "the JSON files in benchmarks/results/.")
-    parser.add_argument("--results", type=Path, default=RESULTS, help=f"folder of JSON files (default: {RESULTS})")
-    parser.add_argument("--page", type=Path, default=DOCS_PAGE, help=f"the page to rewrite (default: {DOCS_PAGE})")
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page is out of date")
+
+    parser = argparse.ArgumentParser(
+        description="Write the figures section of docs/benchmarks.md from "
+        "the JSON files in benchmarks/results/."
+    )
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS, help=f"folder of JSON files (default: {RESULTS})"
+    )
+    parser.add_argument(
+        "--page", type=Path, default=DOCS_PAGE, help=f"the page to rewrite (default: {DOCS_PAGE})"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if the page is out of date"
+    )
     args = parser.parse_args(argv)
     page = args.page.read_text()
     updated = replace_section(page, figures_section(args.results))

@@ -11,6 +11,7 @@ random, numpy and torch), set against the time a worker spends on one batch in t
 run (its busy time in loader.stats()); and the main process
 recording a yielded batch. The figures go to results/resume_cost.json.
 """
+
 import argparse
 import io
 import json
@@ -19,9 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 import report
+import torch
 from workloads import PRESETS
 
 import shmloader
@@ -44,9 +44,14 @@ def per_call_us(fn, calls: int) -> float:
 
 def epoch_with_states(preset, batches: int) -> dict:
     dataset = preset.make_dataset(batches * preset.batch_size, Path("."))
-    loader = shmloader.DataLoader(dataset, batch_size=preset.batch_size, shuffle=True,
-                                  num_workers=WORKERS, persistent_workers=True,
-                                  generator=torch.Generator().manual_seed(0))
+    loader = shmloader.DataLoader(
+        dataset,
+        batch_size=preset.batch_size,
+        shuffle=True,
+        num_workers=WORKERS,
+        persistent_workers=True,
+        generator=torch.Generator().manual_seed(0),
+    )
     for _ in loader:  # a warm-up epoch: the ring is sized, the workers have it
         pass
     busy_before = sum(w.busy_seconds for w in loader.stats().workers)
@@ -85,14 +90,20 @@ def main(argv=None) -> None:
         figures = epoch_with_states(preset, preset.quick_batches if args.quick else preset.batches)
         figures["snapshot_share"] = snapshot_us / 1e3 / figures["worker_ms_per_batch"]
         rows[name] = figures
-    print(f"worker state per batch (worker_snapshot): {snapshot_us:.1f} us; main process "
-          f"recording a yielded batch: {record_us:.2f} us\n")
-    print(f"{'preset':<12}{'batches':>8}{'state_dict median':>19}{'max':>10}{'state size':>12}"
-          f"{'worker ms/batch':>17}{'snapshot share':>16}")
+    print(
+        f"worker state per batch (worker_snapshot): {snapshot_us:.1f} us; main process "
+        f"recording a yielded batch: {record_us:.2f} us\n"
+    )
+    print(
+        f"{'preset':<12}{'batches':>8}{'state_dict median':>19}{'max':>10}{'state size':>12}"
+        f"{'worker ms/batch':>17}{'snapshot share':>16}"
+    )
     for name, f in rows.items():
-        print(f"{name:<12}{f['batches']:>8}{f['state_dict_median_us']:>16.1f} us"
-              f"{f['state_dict_max_us']:>7.0f} us{f['state_bytes']:>10} B"
-              f"{f['worker_ms_per_batch']:>17.2f}{f['snapshot_share']:>16.2%}")
+        print(
+            f"{name:<12}{f['batches']:>8}{f['state_dict_median_us']:>16.1f} us"
+            f"{f['state_dict_max_us']:>7.0f} us{f['state_bytes']:>10} B"
+            f"{f['worker_ms_per_batch']:>17.2f}{f['snapshot_share']:>16.2%}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     document.update(worker_snapshot_us=snapshot_us, record_batch_us=record_us, presets=rows)
     args.out.write_text(json.dumps(document, indent=2))

@@ -19,6 +19,7 @@ The index: `--entries` ImageFolder-style (path, class) tuples, 1000 classes, pat
    epoch reads in), the best of 5 rounds.  CPU, not wall, time: on a shared machine a
    wall clock counts time other processes ran.
 """
+
 import argparse
 import gc
 import json
@@ -44,8 +45,13 @@ MIB = 1 << 20
 
 def make_index(entries: int) -> list:
     per_class = max(1, entries // CLASSES)
-    return [(f"/data/imagenet21k/train/n{i // per_class:08d}/n{i // per_class:08d}_{i}.JPEG",
-             i // per_class) for i in range(entries)]
+    return [
+        (
+            f"/data/imagenet21k/train/n{i // per_class:08d}/n{i // per_class:08d}_{i}.JPEG",
+            i // per_class,
+        )
+        for i in range(entries)
+    ]
 
 
 class IndexDataset(torch.utils.data.Dataset):
@@ -73,9 +79,13 @@ def epoch_growth(loader_name: str, index_kind: str, entries: int, workers: int) 
     if index_kind == "SharedList":
         samples = SharedList(samples)  # the one line a user changes
         gc.collect()
-    loader = LOADERS[loader_name](IndexDataset(samples), batch_size=BATCH_SIZE, shuffle=True,
-                                  num_workers=workers,
-                                  generator=torch.Generator().manual_seed(0))
+    loader = LOADERS[loader_name](
+        IndexDataset(samples),
+        batch_size=BATCH_SIZE,
+        shuffle=True,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(0),
+    )
     batches = len(loader)
     me = psutil.Process()
     start = time.perf_counter()
@@ -85,9 +95,11 @@ def epoch_growth(loader_name: str, index_kind: str, entries: int, workers: int) 
             first = _uss(pids)
         if number == batches:
             last = _uss(pids)
-    return {"growth": [last[pid] - first[pid] for pid in pids],
-            "uss_at_end": [last[pid] for pid in pids],
-            "epoch_s": time.perf_counter() - start}
+    return {
+        "growth": [last[pid] - first[pid] for pid in pids],
+        "uss_at_end": [last[pid] for pid in pids],
+        "epoch_s": time.perf_counter() - start,
+    }
 
 
 def build_cost(index: list) -> dict:
@@ -103,10 +115,14 @@ def build_cost(index: list) -> dict:
     shared = SharedList(index)
     heap_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    return {"build_s": statistics.median(times), "build_s_all": times,
-            "build_cpu_s": statistics.median(cpu_times),
-            "content_bytes": content, "segment_bytes": shared.nbytes,
-            "build_heap_peak_bytes": heap_peak}
+    return {
+        "build_s": statistics.median(times),
+        "build_s_all": times,
+        "build_cpu_s": statistics.median(cpu_times),
+        "content_bytes": content,
+        "segment_bytes": shared.nbytes,
+        "build_heap_peak_bytes": heap_peak,
+    }
 
 
 def per_call_ns(sequence, indices) -> float:
@@ -127,9 +143,22 @@ def getitem_cost(index: list) -> dict:
 
 def run_epoch_in_fresh_process(loader: str, kind: str, args) -> dict:
     done = subprocess.run(
-        [sys.executable, __file__, "--entries", str(args.entries), "--workers",
-         str(args.workers), "--one-epoch", loader, kind],
-        capture_output=True, text=True, check=False, timeout=1800)
+        [
+            sys.executable,
+            __file__,
+            "--entries",
+            str(args.entries),
+            "--workers",
+            str(args.workers),
+            "--one-epoch",
+            loader,
+            kind,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=1800,
+    )
     if done.returncode != 0:
         raise SystemExit(f"the {loader} / {kind} epoch failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.splitlines()[-1])
@@ -139,25 +168,37 @@ def report(figures: dict) -> None:
     build = figures["build"]
     content, segment = build["content_bytes"], build["segment_bytes"]
     peak = segment + build["build_heap_peak_bytes"]
-    print(f"index: {figures['entries']} (path, class) entries; {figures['workers']} workers, "
-          f"batch_size={BATCH_SIZE}, shuffle=True, fork; load average before "
-          f"{figures['load_before']:.1f}, after {figures['load_after']:.1f} on {os.cpu_count()} CPUs")
-    print("\nper-worker USS growth over one epoch (MiB, each worker), USS at its end (MiB), "
-          "epoch (s):")
+    print(
+        f"index: {figures['entries']} (path, class) entries; {figures['workers']} workers, "
+        f"batch_size={BATCH_SIZE}, shuffle=True, fork; load average before "
+        f"{figures['load_before']:.1f}, after {figures['load_after']:.1f} on {os.cpu_count()} CPUs"
+    )
+    print(
+        "\nper-worker USS growth over one epoch (MiB, each worker), USS at its end (MiB), "
+        "epoch (s):"
+    )
     for row in figures["epochs"]:
         growth = ", ".join(f"{g / MIB:.1f}" for g in row["growth"])
         end = ", ".join(f"{u / MIB:.0f}" for u in row["uss_at_end"])
-        print(f"  {row['loader']:9} {row['index']:10} growth {growth:>14}   "
-              f"USS at end {end:>10}   {row['epoch_s']:.1f} s")
-    print(f"\nbuilding the SharedList: {build['build_s']:.2f} s (median of "
-          f"{', '.join(f'{t:.2f}' for t in build['build_s_all'])}), "
-          f"{build['build_cpu_s']:.2f} s of CPU")
-    print(f"  entries' content {content / MIB:.1f} MiB; segment {segment / MIB:.1f} MiB "
-          f"({segment / content:.2f}x); segment + the build's heap at its peak "
-          f"{peak / MIB:.1f} MiB ({peak / content:.2f}x)")
+        print(
+            f"  {row['loader']:9} {row['index']:10} growth {growth:>14}   "
+            f"USS at end {end:>10}   {row['epoch_s']:.1f} s"
+        )
+    print(
+        f"\nbuilding the SharedList: {build['build_s']:.2f} s (median of "
+        f"{', '.join(f'{t:.2f}' for t in build['build_s_all'])}), "
+        f"{build['build_cpu_s']:.2f} s of CPU"
+    )
+    print(
+        f"  entries' content {content / MIB:.1f} MiB; segment {segment / MIB:.1f} MiB "
+        f"({segment / content:.2f}x); segment + the build's heap at its peak "
+        f"{peak / MIB:.1f} MiB ({peak / content:.2f}x)"
+    )
     calls = figures["getitem"]
-    print(f"\nCPU per call over shuffled indices: list[i] {calls['list_ns']:.0f} ns, "
-          f"sl[i] {calls['shared_ns']:.0f} ns")
+    print(
+        f"\nCPU per call over shuffled indices: list[i] {calls['list_ns']:.0f} ns, "
+        f"sl[i] {calls['shared_ns']:.0f} ns"
+    )
 
 
 def main() -> None:
@@ -165,14 +206,19 @@ def main() -> None:
     parser.add_argument("--entries", type=int, default=2_000_000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("--one-epoch", nargs=2, metavar=("LOADER", "INDEX"),
-                        help=argparse.SUPPRESS)  # a fresh process's single run
+    parser.add_argument(
+        "--one-epoch", nargs=2, metavar=("LOADER", "INDEX"), help=argparse.SUPPRESS
+    )  # a fresh process's single run
     args = parser.parse_args()
     if args.one_epoch:
         print(json.dumps(epoch_growth(*args.one_epoch, args.entries, args.workers)))
         return
-    figures = {"entries": args.entries, "workers": args.workers,
-               "load_before": os.getloadavg()[0], "epochs": []}
+    figures = {
+        "entries": args.entries,
+        "workers": args.workers,
+        "load_before": os.getloadavg()[0],
+        "epochs": [],
+    }
     for loader in LOADERS:
         for kind in ("list", "SharedList"):
             row = run_epoch_in_fresh_process(loader, kind, args)

@@ -10,6 +10,7 @@ runs it when named). CostDataset adds a set cost to every sample, for the benchm
 loader features (see features.py). preset_dataset() hands a preset's dataset to
 `python -m shmloader.compare`.
 """
+
 import tempfile
 import time
 from dataclasses import dataclass
@@ -46,7 +47,9 @@ class CostDataset(PoolDataset):
     """PoolDataset whose item i first costs costs_ms[i]: a busy loop, which competes for
     the cores as decoding and augmenting do, or (busy=False) a sleep, which does not."""
 
-    def __init__(self, pool: list[torch.Tensor], costs_ms: list[float], busy: bool, loops_per_ms: float):
+    def __init__(
+        self, pool: list[torch.Tensor], costs_ms: list[float], busy: bool, loops_per_ms: float
+    ):
         super().__init__(pool, len(costs_ms))
         self.costs_ms = costs_ms
         self.busy = busy
@@ -79,7 +82,11 @@ def spin_loops_per_ms(loops: int = 200_000, tries: int = 5) -> float:
 def uneven_costs(length: int, light_ms: float, factor: float, every: int) -> list[float]:
     """light_ms per sample, but `factor` times that for one sample in `every`, chosen at
     random (with a fixed seed) so that batches hold more or fewer of them."""
-    heavy = set(torch.randperm(length, generator=torch.Generator().manual_seed(SEED))[: length // every].tolist())
+    heavy = set(
+        torch.randperm(length, generator=torch.Generator().manual_seed(SEED))[
+            : length // every
+        ].tolist()
+    )
     return [light_ms * factor if i in heavy else light_ms for i in range(length)]
 
 
@@ -107,7 +114,9 @@ def random_pool(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor
     return [random_tensor(shape, dtype, generator) for _ in range(POOL_SIZE)]
 
 
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+def random_tensor(
+    shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator
+) -> torch.Tensor:
     if dtype.is_floating_point:
         return torch.randn(shape, dtype=dtype, generator=generator)
     high = 256 if dtype == torch.uint8 else NUM_CLASSES
@@ -128,8 +137,13 @@ DETECTION_FIELDS = {
 
 def detection_pool() -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(SEED)
-    return [{key: random_tensor(shape, dtype, generator) for key, (shape, dtype) in DETECTION_FIELDS.items()}
-            for _ in range(POOL_SIZE)]
+    return [
+        {
+            key: random_tensor(shape, dtype, generator)
+            for key, (shape, dtype) in DETECTION_FIELDS.items()
+        }
+        for _ in range(POOL_SIZE)
+    ]
 
 
 @dataclass(frozen=True)
@@ -149,8 +163,15 @@ class Preset:
     family: str | None = None  # presets that are points of one sweep, plotted together
 
 
-def tensor_preset(name: str, shape: tuple[int, ...], dtype: torch.dtype, batch_size: int,
-                  batches: int, quick_batches: int, family: str | None = None) -> Preset:
+def tensor_preset(
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    batch_size: int,
+    batches: int,
+    quick_batches: int,
+    family: str | None = None,
+) -> Preset:
     """A preset whose sample is one dense tensor of `shape` plus an int label."""
     dims = "x".join(map(str, shape))
     type_name = str(dtype).removeprefix("torch.")
@@ -169,12 +190,16 @@ def tensor_preset(name: str, shape: tuple[int, ...], dtype: torch.dtype, batch_s
 def multi_field_preset() -> Preset:
     return Preset(
         name="multi-field",
-        description=(f"dict of uint8 image 3x512x512, {OBJECTS} boxes, labels, areas, iscrowd, "
-                     f"uint8 masks {OBJECTS}x{MASK_SIDE}x{MASK_SIDE}, int id, str filename"),
+        description=(
+            f"dict of uint8 image 3x512x512, {OBJECTS} boxes, labels, areas, iscrowd, "
+            f"uint8 masks {OBJECTS}x{MASK_SIDE}x{MASK_SIDE}, int id, str filename"
+        ),
         batch_size=16,
         batches=320,
         quick_batches=56,
-        sample_bytes=sum(prod(shape) * dtype.itemsize for shape, dtype in DETECTION_FIELDS.values()),
+        sample_bytes=sum(
+            prod(shape) * dtype.itemsize for shape, dtype in DETECTION_FIELDS.values()
+        ),
         make_dataset=lambda length, scratch: DetectionDataset(detection_pool(), length),
     )
 
@@ -201,7 +226,9 @@ def make_imagefolder_dataset(length: int, scratch: Path) -> Dataset:
     import imagefolder_example  # Pillow is needed by this preset only
     import jpeg_folder
 
-    dataset = imagefolder_example.make_dataset(scratch / "imagefolder", -(-length // jpeg_folder.CLASSES))
+    dataset = imagefolder_example.make_dataset(
+        scratch / "imagefolder", -(-length // jpeg_folder.CLASSES)
+    )
     return dataset if len(dataset) == length else Subset(dataset, range(length))
 
 
@@ -209,7 +236,7 @@ def imagefolder_preset() -> Preset:
     return Preset(
         name="imagefolder",
         description="imagefolder_example.py: ImageFolder of ~500x375 JPEGs, random-resized-crop 224 + flip "
-                    "(torch's global generator), to float, normalised -> float32 3x224x224",
+        "(torch's global generator), to float, normalised -> float32 3x224x224",
         batch_size=64,
         batches=20,
         quick_batches=5,
@@ -232,21 +259,41 @@ SIZE_SWEEP_POINTS = [
 
 
 def size_sweep_presets() -> list[Preset]:
-    return [tensor_preset(f"{SIZE_SWEEP}-{suffix}", shape, torch.float32, batch_size=16,
-                          batches=batches, quick_batches=quick, family=SIZE_SWEEP)
-            for suffix, shape, batches, quick in SIZE_SWEEP_POINTS]
+    return [
+        tensor_preset(
+            f"{SIZE_SWEEP}-{suffix}",
+            shape,
+            torch.float32,
+            batch_size=16,
+            batches=batches,
+            quick_batches=quick,
+            family=SIZE_SWEEP,
+        )
+        for suffix, shape, batches, quick in SIZE_SWEEP_POINTS
+    ]
 
 
-PRESETS = {p.name: p for p in [
-    tensor_preset("uint8-224", (3, 224, 224), torch.uint8, batch_size=256, batches=240, quick_batches=40),
-    tensor_preset("f32-512", (3, 512, 512), torch.float32, batch_size=32, batches=70, quick_batches=14),
-    tensor_preset("uint8-1024", (3, 1024, 1024), torch.uint8, batch_size=16, batches=160, quick_batches=28),
-    tensor_preset("tiny", (256,), torch.float32, batch_size=64, batches=4000, quick_batches=600),
-    multi_field_preset(),
-    jpeg_preset(),
-    imagefolder_preset(),
-    *size_sweep_presets(),
-]}
+PRESETS = {
+    p.name: p
+    for p in [
+        tensor_preset(
+            "uint8-224", (3, 224, 224), torch.uint8, batch_size=256, batches=240, quick_batches=40
+        ),
+        tensor_preset(
+            "f32-512", (3, 512, 512), torch.float32, batch_size=32, batches=70, quick_batches=14
+        ),
+        tensor_preset(
+            "uint8-1024", (3, 1024, 1024), torch.uint8, batch_size=16, batches=160, quick_batches=28
+        ),
+        tensor_preset(
+            "tiny", (256,), torch.float32, batch_size=64, batches=4000, quick_batches=600
+        ),
+        multi_field_preset(),
+        jpeg_preset(),
+        imagefolder_preset(),
+        *size_sweep_presets(),
+    ]
+}
 # The six workloads of docs/benchmarks.md, which --quick runs; a full run adds the sweep.
 WORKLOADS = ("uint8-224", "f32-512", "uint8-1024", "tiny", "multi-field", "jpeg")
 FAMILIES = {SIZE_SWEEP: tuple(name for name, p in PRESETS.items() if p.family == SIZE_SWEEP)}

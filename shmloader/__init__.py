@@ -1,12 +1,19 @@
 """shmloader: torch's DataLoader, with batches moved through shared-memory slots."""
+
 from . import _torch_api  # noqa: F401  (first: checks the torch internals used)
-from ._rings import SharedMemoryError
 from ._pool import WorkerDied
+from ._rings import SharedMemoryError
 from ._samples import SampleLayoutError
 from ._stats import LoaderStats
 from .dataloader import DataLoader
 from .shared_list import SharedList
 
-__all__ = ["DataLoader", "LoaderStats", "SampleLayoutError", "SharedList", "SharedMemoryError",
-           "WorkerDied"]
+__all__ = [
+    "DataLoader",
+    "LoaderStats",
+    "SampleLayoutError",
+    "SharedList",
+    "SharedMemoryError",
+    "WorkerDied",
+]
 __version__ = "0.1.0"

@@ -16,6 +16,7 @@ bytes than its elements take (expanded over part of it), and is
 otherwise copied alone and densely (torch would move its whole storage: all
 of a dataset-sized tensor for a sample sliced from it).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -172,8 +173,9 @@ class Arena:
     def _note_shared_storages(self, leaves) -> None:
         """Note the storages that several of the leaves view, and the bytes
         they span together, before place() meets them one by one."""
-        self._shared = shared_spans(leaf for leaf in leaves
-                                    if isinstance(leaf, torch.Tensor) and not self.owns(leaf))
+        self._shared = shared_spans(
+            leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and not self.owns(leaf)
+        )
 
     def place(self, leaf):
         """The slot reference for `leaf`, copying it into the slot if needed."""
@@ -181,8 +183,9 @@ class Arena:
             offset = self._alloc(leaf.nbytes)
             # Fortran order stays Fortran order, as numpy's pickling keeps it.
             order = "F" if leaf.flags.f_contiguous and not leaf.flags.c_contiguous else "C"
-            view = np.ndarray(leaf.shape, leaf.dtype, buffer=self._memory, offset=offset,
-                              order=order)
+            view = np.ndarray(
+                leaf.shape, leaf.dtype, buffer=self._memory, offset=offset, order=order
+            )
             view[...] = leaf
             # The dtype itself: its .str would drop a structured dtype's fields.
             return _layout.array_ref(offset, leaf.dtype, view.shape, view.strides)
@@ -191,8 +194,9 @@ class Arena:
         storage = None  # (offset, size) of the bytes it shares with other leaves
         if self.owns(leaf):
             leaf_ref = leaf  # stacked by SlotCollate, apart from every other leaf
-        elif (key := _storage_key(leaf := _as_torch_sends(leaf))) in self._shared \
-                or _spans_its_storage(leaf):
+        elif (
+            key := _storage_key(leaf := _as_torch_sends(leaf))
+        ) in self._shared or _spans_its_storage(leaf):
             leaf_ref = self._in_storage_copy(leaf)
             if key in self._shared:
                 first, end = self._shared[key]
@@ -206,14 +210,23 @@ class Arena:
             # A part of its storage, alone: densely, in the layout torch's
             # pickling would keep (channels_last stays channels_last); an
             # empty one keeps its strides, as torch's does.
-            stride = leaf.stride() if leaf.numel() == 0 else \
-                torch.empty_like(leaf, device="meta").stride()
+            stride = (
+                leaf.stride()
+                if leaf.numel() == 0
+                else torch.empty_like(leaf, device="meta").stride()
+            )
             copy = self.tensor(leaf.dtype, leaf.shape, stride)
             with torch.no_grad():
                 copy.copy_(leaf)
             leaf_ref = copy
-        return _layout.tensor_ref(leaf_ref.storage_offset() * leaf.dtype.itemsize, leaf.dtype,
-                                  leaf.shape, leaf_ref.stride(), leaf.requires_grad, storage)
+        return _layout.tensor_ref(
+            leaf_ref.storage_offset() * leaf.dtype.itemsize,
+            leaf.dtype,
+            leaf.shape,
+            leaf_ref.stride(),
+            leaf.requires_grad,
+            storage,
+        )
 
     def _in_storage_copy(self, leaf: torch.Tensor) -> torch.Tensor:
         """`leaf` as a view, with its own strides, of the slot's one copy of
@@ -227,7 +240,8 @@ class Arena:
             copy_stream(self._memory, base, leaf.untyped_storage().data_ptr() + first, end - first)
         start = base + own[0] - first
         return torch.empty((0,), dtype=leaf.dtype).set_(
-            self._storage, start // leaf.dtype.itemsize, leaf.shape, leaf.stride())
+            self._storage, start // leaf.dtype.itemsize, leaf.shape, leaf.stride()
+        )
 
     def write_meta(self, meta: bytes) -> tuple[int, int]:
         offset = self._alloc(len(meta), self._capacity)
@@ -301,8 +315,11 @@ class Measure:
                 spanned = _spans_its_storage(sent) or _span_is_smaller(sent)
                 self.used = offset + (end - start if spanned else leaf.nbytes)
                 storage = (offset, leaf.nbytes)  # (where Arena's is None: longer)
-            refs.append(_layout.tensor_ref(offset, leaf.dtype, leaf.shape, leaf.stride(),
-                                           leaf.requires_grad, storage))
+            refs.append(
+                _layout.tensor_ref(
+                    offset, leaf.dtype, leaf.shape, leaf.stride(), leaf.requires_grad, storage
+                )
+            )
         return refs
 
 

@@ -20,6 +20,7 @@ current stream waits for the copy, and every tensor is marked as used on it
 (record_stream), so the batch is safe to use on the current stream and its
 memory is not reused while the stream still needs it.
 """
+
 from __future__ import annotations
 
 import collections
@@ -161,19 +162,27 @@ def check_device(device):
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device should be a torch.device or a string such as 'cuda', "
-                         f"but got device={device!r} ({e})") from None
+        raise ValueError(
+            f"device should be a torch.device or a string such as 'cuda', "
+            f"but got device={device!r} ({e})"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={str(device)!r}, but CUDA is not available here "
-                         "(torch.cuda.is_available() is False); leave device=None to get "
-                         "CPU batches.")
+        raise ValueError(
+            f"device={str(device)!r}, but CUDA is not available here "
+            "(torch.cuda.is_available() is False); leave device=None to get "
+            "CPU batches."
+        )
     if device.type == "meta":
-        raise ValueError("device='meta' would deliver tensors without data; leave "
-                         "device=None to get CPU batches.")
+        raise ValueError(
+            "device='meta' would deliver tensors without data; leave "
+            "device=None to get CPU batches."
+        )
     if device.type not in ("cpu", "cuda"):
         try:  # another accelerator: fail here, not at every batch
             torch.empty(0, device=device)
         except (AssertionError, RuntimeError) as e:
-            raise ValueError(f"device={str(device)!r} is not usable here ({e}); leave "
-                             "device=None to get CPU batches.") from None
+            raise ValueError(
+                f"device={str(device)!r} is not usable here ({e}); leave "
+                "device=None to get CPU batches."
+            ) from None
     return device

@@ -10,6 +10,7 @@ parent releases it.  A slot is copied once however many forks follow (a
 non-persistent loader's next epoch forks all its workers while the loop's
 variable still holds the previous epoch's last batch: one copy).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,10 @@ def _before_fork() -> None:
         try:
             ring.privatize_held()
         except OSError as e:
-            warn(f"shmloader: could not copy the batches this process holds before it forked "
-                 f"({e}); the child may see their memory reused by later batches.")
+            warn(
+                f"shmloader: could not copy the batches this process holds before it forked "
+                f"({e}); the child may see their memory reused by later batches."
+            )
 
 
 os.register_at_fork(before=_before_fork)

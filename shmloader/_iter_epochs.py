@@ -2,6 +2,7 @@
 adopting the next-epoch batches prefetched in the last one), drawing its
 indices, and ending it when a worker dies or the loop is interrupted.  A
 mixin of ShmLoaderIter (_iterator.py), whose state it shares."""
+
 from __future__ import annotations
 
 import contextlib
@@ -56,12 +57,18 @@ class EpochPlanning:
         # Before super()._reset, which runs iter() on the sampler.
         # (A persistent iterator's first epoch has fresh workers too: it may
         # follow one whose workers died or whose options changed.)
-        self._progress.epoch_begins(loader, self._epoch, self._base_seed, self._num_workers,
-                                    sampler_state(loader),
-                                    fresh_workers=first_iter or not self._persistent_workers)
+        self._progress.epoch_begins(
+            loader,
+            self._epoch,
+            self._base_seed,
+            self._num_workers,
+            sampler_state(loader),
+            fresh_workers=first_iter or not self._persistent_workers,
+        )
         if started_from is not None:
             self._progress.workers_start_from(
-                [started_from.worker_state(i) for i in range(self._num_workers)])
+                [started_from.worker_state(i) for i in range(self._num_workers)]
+            )
         super()._reset(loader, first_iter)
         self._new_epoch_bookkeeping()
         if resume is not None:
@@ -156,9 +163,14 @@ class EpochPlanning:
         self._next_epoch_at = self._send_idx
         self._epoch = loader._next_epoch()
         self._next_epoch_start = Progress()
-        self._next_epoch_start.epoch_begins(loader, self._epoch, self._base_seed,
-                                            self._num_workers, sampler_state(loader),
-                                            fresh_workers=False)
+        self._next_epoch_start.epoch_begins(
+            loader,
+            self._epoch,
+            self._base_seed,
+            self._num_workers,
+            sampler_state(loader),
+            fresh_workers=False,
+        )
         self._progress.next_start = self._next_epoch_start
         self._prefetched = PrefetchedEpoch(weakref.proxy(loader), self._epoch)
         with contextlib.suppress(StopIteration):  # failed: the next draws stop at once

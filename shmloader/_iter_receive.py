@@ -2,6 +2,7 @@
 worker's order (see _collect); a batch unpacked from its slot into tensor
 views, or from a one-off segment; pinning as torch's pin thread does.  A
 mixin of ShmLoaderIter (_iterator.py), whose state it shares."""
+
 from __future__ import annotations
 
 import time
@@ -67,9 +68,11 @@ class Receiving:
             arrivals.extend((lease.seq, lease) for lease in self._acquire_all())
         more = []  # messages read while waiting for row errors
         # Only a fetch="sample" slot with failed rows needs more than passing on.
-        arrivals = [self._with_row_errors(a, more)
-                    if _kind(a[1]) == "slot" and a[1].failed_rows else a
-                    for a in arrivals if a is not None]
+        arrivals = [
+            self._with_row_errors(a, more) if _kind(a[1]) == "slot" and a[1].failed_rows else a
+            for a in arrivals
+            if a is not None
+        ]
         arrivals += more
         arrivals.sort(key=lambda a: -1 if a[0] is None else a[0])
         self._arrivals.extend(arrivals)
@@ -148,8 +151,9 @@ class Receiving:
         for idx in sorted(indices):
             worker_id = self._task_info[idx][0]
             if self._fetch != "batch" or not any(
-                    j < idx and len(info) == 1 and info[0] == worker_id
-                    for j, info in self._task_info.items()):
+                j < idx and len(info) == 1 and info[0] == worker_id
+                for j, info in self._task_info.items()
+            ):
                 return idx
         return None
 
@@ -175,7 +179,8 @@ class Receiving:
         else:
             meta = lease.meta()
         batch, fallback_leaves, samples, worker_state = _layout.loads(
-            meta, lease, kind == "segment" or not self._registered)
+            meta, lease, kind == "segment" or not self._registered
+        )
         counters.fallback_leaves += fallback_leaves
         counters.samples += samples
         if kind == "segment":
@@ -197,20 +202,30 @@ class Receiving:
         if not self._counters.warned_spill:
             self._counters.warned_spill = True
             state_bytes = len(worker_state) if worker_state is not None else 0
-            state = (f" (with the worker's state, {state_bytes} bytes: the dataset's "
-                     "state_dict() and the RNGs)" if state_bytes > self._state_bytes else "")
-            sized = (f"slot_bytes={self._slot_bytes}, rounded up to a page" if self._slot_bytes
-                     else "sized from the loader's first batches")
+            state = (
+                f" (with the worker's state, {state_bytes} bytes: the dataset's "
+                "state_dict() and the RNGs)"
+                if state_bytes > self._state_bytes
+                else ""
+            )
+            sized = (
+                f"slot_bytes={self._slot_bytes}, rounded up to a page"
+                if self._slot_bytes
+                else "sized from the loader's first batches"
+            )
             self._warn(
                 f"shmloader: a batch{state} did not fit its slot "
                 f"({self._ring.slot_bytes - self._state_bytes} bytes for a batch: {sized}) and was "
                 "delivered whole in shared memory of its own (slower); later ones that do not fit "
-                "will be too" + (
-                    ". Pass slot_bytes= to size slots for your largest batch." if self._slot_bytes
+                "will be too"
+                + (
+                    ". Pass slot_bytes= to size slots for your largest batch."
+                    if self._slot_bytes
                     else " until the next epoch starts, whose ring has slots made to fit the "
                     "largest batch seen. Pass slot_bytes= to size slots for your largest batch "
-                    "from the start."),
-                "warned_spill"
+                    "from the start."
+                ),
+                "warned_spill",
             )
 
     def _pin(self, batch):
@@ -218,8 +233,9 @@ class Receiving:
         try:
             return _utils.pin_memory.pin_memory(batch, self._pin_memory_device)
         except Exception:
-            ExceptionWrapper(where=f"in pin memory thread for device {self._pin_device_id}"
-                             ).reraise()
+            ExceptionWrapper(
+                where=f"in pin memory thread for device {self._pin_device_id}"
+            ).reraise()
 
 
 # What _process_data returns for a batch fetched again after a resume and dropped.
@@ -235,8 +251,11 @@ def _wait_fds(fds, timeout):
     timeout= takes a month; the ring's wait does too)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        part = None if deadline is None else \
-            max(0.0, min(deadline - time.monotonic(), _LONGEST_POLL_S))
+        part = (
+            None
+            if deadline is None
+            else max(0.0, min(deadline - time.monotonic(), _LONGEST_POLL_S))
+        )
         fired = wait_fds(fds, part)
         if fired or part is None or part < _LONGEST_POLL_S:
             return fired

@@ -3,6 +3,7 @@ new one sized from the first batch or the user's slot_bytes, checked
 against memory), how it is handed to the workers, how a task claims a slot
 of it, and when its slots grow for the next epoch.  A mixin of
 ShmLoaderIter (_iterator.py), whose state it shares."""
+
 from __future__ import annotations
 
 import torch
@@ -35,17 +36,19 @@ class RingKeeping:
         # Capped at what a ring can hold: tasks in flight beyond it travel
         # outside the ring (with the ring-full warning).
         self._nslots = loader.num_slots or min(
-            self._prefetch_factor * self._num_workers + SPARE_SLOTS, MAX_SLOTS)
+            self._prefetch_factor * self._num_workers + SPARE_SLOTS, MAX_SLOTS
+        )
         device = loader.device
         self._device_stage = _cuda.DeviceStage(device) if device is not None else None
         # Pin the ring itself (once) where batches go to a CUDA device.
         self._register = torch.cuda.is_available() and (
-            _torch_api.pins_to_cuda(self)
-            or (device is not None and device.type == "cuda"))
+            _torch_api.pins_to_cuda(self) or (device is not None and device.type == "cuda")
+        )
         self._registered = False
         # Slot room beyond the batch's own for the worker state it carries.
-        self._state_bytes = STATE_BYTES if carries_state(
-            self._dataset_kind, loader.seed_per_sample) else 0
+        self._state_bytes = (
+            STATE_BYTES if carries_state(self._dataset_kind, loader.seed_per_sample) else 0
+        )
         slot_bytes = self._known_slot_bytes()
         if slot_bytes:
             # Before the workers are forked: a spare ring not taken is gone
@@ -95,8 +98,11 @@ class RingKeeping:
                 self._registered = failure is None
                 if failure is not None and not self._counters.warned_register:
                     self._counters.warned_register = True
-                    self._warn(f"shmloader: could not pin the ring's memory with CUDA ({failure}); "
-                               "batches are pinned by torch's copy instead.", "warned_register")
+                    self._warn(
+                        f"shmloader: could not pin the ring's memory with CUDA ({failure}); "
+                        "batches are pinned by torch's copy instead.",
+                        "warned_register",
+                    )
         self._pool.send_ring(self._ring)
         if self._fetch == "sample":
             self._pool.broadcast(UseLayout.wire(self._handover.sample_layout))
@@ -116,8 +122,10 @@ class RingKeeping:
                 nslots = fit
                 if not self._counters.warned_smaller_ring:
                     self._counters.warned_smaller_ring = True
-                    self._warn(smaller_ring_message(fit, self._nslots, slot_bytes, room),
-                               "warned_smaller_ring")
+                    self._warn(
+                        smaller_ring_message(fit, self._nslots, slot_bytes, room),
+                        "warned_smaller_ring",
+                    )
         return create_ring(nslots, slot_bytes)  # (its error names the sizes)
 
     def _retire_ring(self) -> None:
@@ -150,7 +158,8 @@ class RingKeeping:
                 f"slot_bytes={self._slot_bytes} is too small for fetch='sample' "
                 f"batches of {capacity} samples of {layout.sample_bytes} bytes each: "
                 f"{layout.slot_bytes} bytes are needed. Pass slot_bytes >= {layout.slot_bytes}, "
-                "or leave it None.")
+                "or leave it None."
+            )
         self._handover.sample_layout = layout
         self._start_ring(layout.slot_bytes)
         return None
@@ -174,7 +183,8 @@ class RingKeeping:
                 "released. Any tensor kept from a batch (a mask collected for a metric) holds "
                 "its batch's whole slot: keep a .clone() of it instead. The ring stays at "
                 f"{self._ring.total_bytes} bytes; pass num_slots= to keep more batches in "
-                "it.", "warned_ring_full"
+                "it.",
+                "warned_ring_full",
             )
         return NO_SLOT
 

@@ -22,6 +22,7 @@ sampler runs out, the next epoch's batches; they are numbered on from this
 epoch's (epoch index >= _next_epoch_at) and adopted by the next _reset if the
 samplers still describe the epoch they were drawn for (_sampler_state.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,23 +42,25 @@ from torch.utils.data.dataloader import (
 )
 
 from . import _torch_api
+from ._iter_epochs import EpochPlanning
+from ._iter_receive import _REPLAYED, Receiving, _discard, _kind
+from ._iter_ring import RingKeeping
 from ._pool import WorkerDied, WorkerPool
 from ._protocol import Rows, Task
 from ._resume import Progress
 from ._rings import retire
 from ._seeding import countable
-from ._iter_epochs import EpochPlanning
-from ._iter_receive import _REPLAYED, Receiving, _discard, _kind
-from ._iter_ring import RingKeeping
 from ._warn import WarnsBetweenBatches, init_as_torch
 
 
-class ShmLoaderIter(RingKeeping, EpochPlanning, Receiving, WarnsBetweenBatches,
-                    _BaseDataLoaderIter):
+class ShmLoaderIter(
+    RingKeeping, EpochPlanning, Receiving, WarnsBetweenBatches, _BaseDataLoaderIter
+):
     def __init__(self, loader) -> None:
         resume = loader._resume
-        rng_before = torch.get_rng_state() if resume is not None and loader.generator is None \
-            else None
+        rng_before = (
+            torch.get_rng_state() if resume is not None and loader.generator is None else None
+        )
         init_as_torch(super().__init__, loader)  # its warnings are torch's
         self._prefetch_factor = loader.prefetch_factor
         _torch_api.check_iterator(self)
@@ -74,8 +77,9 @@ class ShmLoaderIter(RingKeeping, EpochPlanning, Receiving, WarnsBetweenBatches,
         self._skip = set()  # epoch indices not to fetch again (in_order=False resume)
         self._pending_first_draw = None
         if resume is not None:
-            self._base_seed = resume.settle_base_seed(loader, self._base_seed,
-                                                      self._persistent_workers, rng_before)
+            self._base_seed = resume.settle_base_seed(
+                loader, self._base_seed, self._persistent_workers, rng_before
+            )
         self._in_order = loader.in_order
         self._counters = loader._counters
         self._handover = loader._ring_handover
@@ -121,27 +125,30 @@ class ShmLoaderIter(RingKeeping, EpochPlanning, Receiving, WarnsBetweenBatches,
         # that a pin_memory_device with no such device fails as torch's does;
         # before the workers start, so that none is left behind then.
         self._pin_device_id = _torch_api.pin_thread_device(self) if self._pin_memory else None
-        self._pool = WorkerPool(ctx, [
-            dict(
-                dataset_kind=self._dataset_kind,
-                dataset=self._dataset,
-                auto_collation=self._auto_collation,
-                collate_fn=self._collate_fn,
-                slot_collate=slot_collate,
-                drop_last=self._drop_last,
-                base_seed=self._base_seed,
-                init_fn=init_fn,
-                worker_id=i,
-                num_workers=self._num_workers,
-                shared_seed=self._shared_seed,
-                seed_per_sample=loader.seed_per_sample,
-                assignment=loader.assignment,
-                measures_spills=self._slot_bytes is None,
-                resume_state=resume.worker_state(i) if resume is not None else None,
-                manager_pid=os.getpid(),
-            )
-            for i in range(self._num_workers)
-        ])
+        self._pool = WorkerPool(
+            ctx,
+            [
+                dict(
+                    dataset_kind=self._dataset_kind,
+                    dataset=self._dataset,
+                    auto_collation=self._auto_collation,
+                    collate_fn=self._collate_fn,
+                    slot_collate=slot_collate,
+                    drop_last=self._drop_last,
+                    base_seed=self._base_seed,
+                    init_fn=init_fn,
+                    worker_id=i,
+                    num_workers=self._num_workers,
+                    shared_seed=self._shared_seed,
+                    seed_per_sample=loader.seed_per_sample,
+                    assignment=loader.assignment,
+                    measures_spills=self._slot_bytes is None,
+                    resume_state=resume.worker_state(i) if resume is not None else None,
+                    manager_pid=os.getpid(),
+                )
+                for i in range(self._num_workers)
+            ],
+        )
 
     def __next__(self):
         # torch's __next__ opens a profiler record_function around every
@@ -251,15 +258,19 @@ class ShmLoaderIter(RingKeeping, EpochPlanning, Receiving, WarnsBetweenBatches,
             raise RuntimeError(
                 "this DataLoader iterator was made by the process this one was forked from, "
                 "whose workers and ring it uses; iterate the loader again here (iter(loader)) "
-                "for workers of this process's own.")
+                "for workers of this process's own."
+            )
         if self._died is not None:
-            raise WorkerDied(f"this DataLoader iterator ended when a worker died: {self._died} "
-                             "iter(loader) starts a new one with fresh workers.")
+            raise WorkerDied(
+                f"this DataLoader iterator ended when a worker died: {self._died} "
+                "iter(loader) starts a new one with fresh workers."
+            )
         if self._interrupted is not None:
             raise RuntimeError(
                 f"this DataLoader iterator ended when a {self._interrupted} interrupted its "
                 "next(), which may have been taking a batch on its way; iter(loader) starts a "
-                "new one with fresh workers.")
+                "new one with fresh workers."
+            )
         try:  # what _failing_workers() does, without a generator per batch
             batch = self._next_batch()
             while batch is _REPLAYED:
@@ -328,8 +339,9 @@ class ShmLoaderIter(RingKeeping, EpochPlanning, Receiving, WarnsBetweenBatches,
                 self._try_put_index()
                 continue
             if idx != self._rcvd_idx:
-                if not self._in_order and (self._next_epoch_at is None or
-                                           idx < self._next_epoch_at):
+                if not self._in_order and (
+                    self._next_epoch_at is None or idx < self._next_epoch_at
+                ):
                     if self._first_in_turn([idx]) is None:
                         self._task_info[idx] += (data,)
                         self._held.add(idx)
@@ -362,15 +374,14 @@ class ShmLoaderIter(RingKeeping, EpochPlanning, Receiving, WarnsBetweenBatches,
             batch = self._device_stage(batch)
         return batch
 
-
-
-
-
     # ---- shutdown -----------------------------------------------------------
 
     def _shutdown_workers(self, graceful: bool = True) -> None:
-        if _utils is None or _utils.python_exit_status is not False \
-                or multiprocessing.util.is_exiting():
+        if (
+            _utils is None
+            or _utils.python_exit_status is not False
+            or multiprocessing.util.is_exiting()
+        ):
             # Interpreter exit (a thread still iterating once the main thread
             # has returned, too): multiprocessing's atexit ends daemon workers,
             # and closing them under it would make it fail.
@@ -417,4 +428,5 @@ class IterableShmLoaderIter(ShmLoaderIter):
     """An IterableDataset's: torch's __next__ is next() itself, so that its
     warning of a stream longer than len() names the user's line, as torch's
     does."""
+
     __next__ = _BaseDataLoaderIter.__next__

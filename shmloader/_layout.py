@@ -26,6 +26,7 @@ slot).  Reference tuples (made by tensor_ref and array_ref):
      share as one storage again, as under torch's transport)
     ("n", byte_offset, numpy dtype, shape, strides)
 """
+
 from __future__ import annotations
 
 import io
@@ -63,8 +64,10 @@ def _has_no_typed_storage(dtype) -> bool:
 # shared storage torch's default collate cannot make (a TypeError), and the
 # quantized ones, even over plain bytes (t.view(torch.quint8)).
 _NOT_IN_SLOTS = _QUANTIZED | frozenset(
-    dtype for dtype in vars(torch).values()
-    if isinstance(dtype, torch.dtype) and _has_no_typed_storage(dtype))
+    dtype
+    for dtype in vars(torch).values()
+    if isinstance(dtype, torch.dtype) and _has_no_typed_storage(dtype)
+)
 
 
 def is_slot_tensor(obj) -> bool:
@@ -86,12 +89,21 @@ def is_slot_ndarray(obj) -> bool:
     return type(obj) is np.ndarray and not obj.dtype.hasobject
 
 
-def tensor_ref(offset: int, dtype, shape, stride, requires_grad: bool,
-               storage: tuple[int, int] | None) -> tuple:
+def tensor_ref(
+    offset: int, dtype, shape, stride, requires_grad: bool, storage: tuple[int, int] | None
+) -> tuple:
     """The reference of a tensor leaf at byte `offset` of the slot; `storage`:
     see the module's note."""
-    return (TENSOR, offset, dtype, tuple(shape), tuple(stride), span_elements(shape, stride),
-            requires_grad, storage)
+    return (
+        TENSOR,
+        offset,
+        dtype,
+        tuple(shape),
+        tuple(stride),
+        span_elements(shape, stride),
+        requires_grad,
+        storage,
+    )
 
 
 def array_ref(offset: int, dtype, shape, strides) -> tuple:
@@ -131,9 +143,13 @@ class _RefPickler(ForkingPickler):
         return NotImplemented
 
 
-def _with_refs(refs, fallback_leaves: int, samples: int, worker_state, batch_pickle: bytes) -> bytes:
-    return pickle.dumps((refs, fallback_leaves, samples, worker_state),
-                        pickle.HIGHEST_PROTOCOL) + batch_pickle
+def _with_refs(
+    refs, fallback_leaves: int, samples: int, worker_state, batch_pickle: bytes
+) -> bytes:
+    return (
+        pickle.dumps((refs, fallback_leaves, samples, worker_state), pickle.HIGHEST_PROTOCOL)
+        + batch_pickle
+    )
 
 
 def dumps(batch, place_all, samples: int, worker_state: bytes | None = None) -> bytes:
@@ -195,8 +211,7 @@ class _DetachPickler(ForkingPickler):
         return NotImplemented
 
     def _count(self, tensor) -> None:
-        if tensor.layout == torch.strided and tensor.device.type == "cpu" \
-                and not tensor.is_nested:
+        if tensor.layout == torch.strided and tensor.device.type == "cpu" and not tensor.is_nested:
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in self._shared:  # views of one storage: once
                 self._shared.add(storage.data_ptr())
@@ -241,6 +256,7 @@ class _LeafMaker:
     corrupted slot is an error, never a wild read.
     (torch.frombuffer checks the span, Tensor.set_ the shape and strides over
     it; numpy's own extent check can overflow, so it is done here.)"""
+
     __slots__ = ("_buffer", "_copy_small", "refs", "_storages")
 
     def __init__(self, slot_buffer, copy_small):
@@ -263,14 +279,20 @@ class _LeafMaker:
             if offset % dtype.itemsize:  # a misaligned view: vector loads would fault
                 raise pickle.UnpicklingError(f"slot reference {ref!r} is not aligned")
             if count == 0:
-                if math.prod(shape) != 0 or len(stride) != len(shape) or any(
-                        type(n) is not int or n < 0 for n in stride):
+                if (
+                    math.prod(shape) != 0
+                    or len(stride) != len(shape)
+                    or any(type(n) is not int or n < 0 for n in stride)
+                ):
                     raise pickle.UnpicklingError(f"slot reference {ref!r} has no bytes")
                 tensor = torch.empty_strided(shape, stride, dtype=dtype)  # its strides kept
             elif storage is not None:
                 tensor = torch.empty((0,), dtype=dtype).set_(
-                    self._shared_storage(storage), self._offset_in(storage, offset, ref),
-                    shape, stride)
+                    self._shared_storage(storage),
+                    self._offset_in(storage, offset, ref),
+                    shape,
+                    stride,
+                )
             elif self._copy_small and count * dtype.itemsize <= SMALL_LEAF_BYTES:
                 # Over a bytearray: a storage that cannot be resized, as a view's
                 # (and torch's shared memory) cannot.
@@ -287,19 +309,26 @@ class _LeafMaker:
         if kind == NDARRAY:
             _, offset, dtype, shape, strides = ref
             dtype = np.dtype(dtype)
-            if dtype.hasobject or offset % dtype.alignment or not _inside(
-                    offset, shape, strides, dtype.itemsize, len(self._buffer)):
+            if (
+                dtype.hasobject
+                or offset % dtype.alignment
+                or not _inside(offset, shape, strides, dtype.itemsize, len(self._buffer))
+            ):
                 raise pickle.UnpicklingError(f"slot reference {ref!r} does not fit the slot")
-            array = np.ndarray(shape, dtype=dtype, buffer=self._buffer,
-                               offset=offset, strides=strides)
+            array = np.ndarray(
+                shape, dtype=dtype, buffer=self._buffer, offset=offset, strides=strides
+            )
             return self._as_unpickled(array) if self._copy_small else array
         raise pickle.UnpicklingError(f"unknown slot reference kind {kind!r}")
 
     def _shared_storage(self, storage) -> torch.UntypedStorage:
         """The one storage over the slot's (offset, size) bytes that the
         leaves referring to it share (torch.frombuffer checks the span)."""
-        if type(storage) is not tuple or len(storage) != 2 or not all(
-                type(n) is int and n >= 0 for n in storage):
+        if (
+            type(storage) is not tuple
+            or len(storage) != 2
+            or not all(type(n) is int and n >= 0 for n in storage)
+        ):
             raise pickle.UnpicklingError(f"slot storage {storage!r} is not (offset, size)")
         if self._storages is None:
             self._storages = {}
@@ -307,7 +336,8 @@ class _LeafMaker:
         if shared is None:
             first, nbytes = storage
             shared = self._storages[storage] = torch.frombuffer(
-                self._buffer, dtype=torch.uint8, count=nbytes, offset=first).untyped_storage()
+                self._buffer, dtype=torch.uint8, count=nbytes, offset=first
+            ).untyped_storage()
         return shared
 
     @staticmethod
@@ -330,8 +360,7 @@ class _LeafMaker:
         if array.dtype.byteorder not in "=|":
             return array.astype(array.dtype.newbyteorder("="))
         if array.size == 0:  # its strides kept (a copy would zero them), and no slot held
-            return np.ndarray(array.shape, array.dtype, buffer=bytearray(0),
-                              strides=array.strides)
+            return np.ndarray(array.shape, array.dtype, buffer=bytearray(0), strides=array.strides)
         if array.nbytes <= NUMPY_OWNS_UP_TO:
             return array.copy(order="K")
         if array.nbytes > SMALL_LEAF_BYTES:

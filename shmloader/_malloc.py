@@ -13,6 +13,7 @@ mmap threshold it accepts come from the heap, and the heap is never trimmed.  A
 worker's memory then stays at its high-water mark instead of going up and down with
 every sample.  A worker_init_fn runs after this and may set other values.
 """
+
 import ctypes
 
 # glibc's mallopt parameters (malloc.h), and the largest mmap threshold it accepts on

@@ -11,6 +11,7 @@ cgroup's usage counts the page cache of the files its processes read (a
 dataset's images), which the kernel drops to make room before it kills
 anything: that cache (memory.stat's file LRU lists, which hold no shared
 memory) counts as room, as it does in MemAvailable."""
+
 from __future__ import annotations
 
 import os
@@ -75,8 +76,9 @@ def _cgroup_dirs():
     """(version, mount, path below it) of this process's memory cgroups."""
     for line in _cgroup_lines():
         _, controllers, path = line.split(":", 2)
-        version = "v2" if controllers == "" else "v1" if "memory" in controllers.split(",") \
-            else None
+        version = (
+            "v2" if controllers == "" else "v1" if "memory" in controllers.split(",") else None
+        )
         if version is None:
             continue
         mount = os.path.join(CGROUP_ROOT, _FILES[version][0])
@@ -104,8 +106,11 @@ def _cgroup_room() -> tuple[int, str] | None:
             cache = min(usage, _page_cache(where, version))
             room = max(0, limit - usage + cache)
             if best is None or room < best[0]:
-                best = (room, f"the memory cgroup {where} has {room} bytes left "
-                              f"({usage} of its {limit} in use, {cache} of that page cache)")
+                best = (
+                    room,
+                    f"the memory cgroup {where} has {room} bytes left "
+                    f"({usage} of its {limit} in use, {cache} of that page cache)",
+                )
     return best
 
 

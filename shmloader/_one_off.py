@@ -13,6 +13,7 @@ are closed at once, so kept batches hold no fd.  Only leaves that cannot live
 in shared memory at all (sparse, CUDA, arbitrary objects) still go by torch's
 pickling, inside the metadata, as from a slot.
 """
+
 from __future__ import annotations
 
 import errno
@@ -37,8 +38,9 @@ def write(task_id: int, data, samples: int, state, nbytes: int, reserve: int) ->
     segment.reserve(0)  # all of it now: no SIGBUS for want of memory while writing
     slot = segment.claim()
     memory = segment.memory(slot)
-    arena = Arena(memory, torch.frombuffer(memory, dtype=torch.uint8).untyped_storage(),
-                  reserve=reserve)
+    arena = Arena(
+        memory, torch.frombuffer(memory, dtype=torch.uint8).untyped_storage(), reserve=reserve
+    )
     meta_off, meta_len = arena.write_meta(_layout.dumps(data, arena.place_all, samples, state))
     segment.publish(slot, task_id, meta_off, meta_len)
     return segment

@@ -6,6 +6,7 @@ a half-written message in a channel that others use.  Process sentinels are
 polled together with the result pipes (and the ring's eventfd), so a worker's
 death wakes the main process at once.
 """
+
 from __future__ import annotations
 
 import errno
@@ -57,23 +58,31 @@ def _exit_description(process) -> str:
     code = process.exitcode
     if code == NO_RING_FDS_EXIT:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return (f"could not receive the ring's file descriptors: it had as many open files as "
-                f"its limit allows (RLIMIT_NOFILE, `ulimit -n`: {soft} here; a shmloader "
-                "worker holds 2-4 more files than torch's: the ring's and its wake-ups'). "
-                "Raise that limit, or keep fewer batches of loaders that are gone (each keeps "
-                "one open).")
+        return (
+            f"could not receive the ring's file descriptors: it had as many open files as "
+            f"its limit allows (RLIMIT_NOFILE, `ulimit -n`: {soft} here; a shmloader "
+            "worker holds 2-4 more files than torch's: the ring's and its wake-ups'). "
+            "Raise that limit, or keep fewer batches of loaders that are gone (each keeps "
+            "one open)."
+        )
     if code == NO_RING_MAPPING_EXIT:
-        return (f"could not map the ring: no address space was left for it "
-                f"({address_space_limit()}). Raise that limit, or lower num_slots, "
-                "slot_bytes or the batch size.")
+        return (
+            f"could not map the ring: no address space was left for it "
+            f"({address_space_limit()}). Raise that limit, or lower num_slots, "
+            "slot_bytes or the batch size."
+        )
     if code is not None and code < 0:
         text = f"is killed by signal: {signal.strsignal(-code)}."
         if -code == signal.SIGBUS:
-            text += (" It is possible that dataloader's workers are out of shared memory. "
-                     "Please try to raise your shared memory limit.")
+            text += (
+                " It is possible that dataloader's workers are out of shared memory. "
+                "Please try to raise your shared memory limit."
+            )
         return text
-    return (f"exited unexpectedly with exit code {code}. Details are lost due to "
-            "multiprocessing. Rerunning with num_workers=0 may give better error trace.")
+    return (
+        f"exited unexpectedly with exit code {code}. Details are lost due to "
+        "multiprocessing. Rerunning with num_workers=0 may give better error trace."
+    )
 
 
 def _signal_name(code) -> str:
@@ -137,7 +146,8 @@ class WorkerPool:
                 f"multiprocessing_context={method!r}: the dataset, collate_fn or "
                 f"worker_init_fn cannot be pickled ({e}). Define them at module level "
                 "(no lambdas, local classes or open handles), or use "
-                "multiprocessing_context='fork'.")
+                "multiprocessing_context='fork'."
+            )
             try:
                 error = type(e)(advice)
             except Exception:  # an exception class that takes other arguments
@@ -162,8 +172,10 @@ class WorkerPool:
         # Workers told to exit are left out: their closed pipe and fired
         # sentinel would otherwise wake every later wait at once.
         self.wait_fds = [
-            fd for fds in (self._conn_of_fd, self._sentinels)
-            for fd, i in fds.items() if i not in self._exiting
+            fd
+            for fds in (self._conn_of_fd, self._sentinels)
+            for fd, i in fds.items()
+            if i not in self._exiting
         ]
 
     def send(self, worker_id: int, msg) -> None:
@@ -238,20 +250,23 @@ class WorkerPool:
 
     def raise_if_dead(self) -> None:
         dead = [
-            (i, p) for i, p in enumerate(self.processes)
+            (i, p)
+            for i, p in enumerate(self.processes)
             if i not in self._exiting and not p.is_alive()
         ]
         if dead:
-            details = " ".join(f"DataLoader worker (pid {p.pid}) {_exit_description(p)}"
-                               for _, p in dead)
+            details = " ".join(
+                f"DataLoader worker (pid {p.pid}) {_exit_description(p)}" for _, p in dead
+            )
             which = ", ".join(
                 f"worker {i}" + (f" by {_signal_name(p.exitcode)}" if (p.exitcode or 0) < 0 else "")
-                for i, p in dead)
+                for i, p in dead
+            )
             killed = any(p.exitcode == -signal.SIGKILL for _, p in dead)
             raise WorkerDied(
                 f"{details} ({which}; shmloader stopped the other workers"
-                + ("; a worker killed by SIGKILL may have run out of memory)"
-                   if killed else ")"))
+                + ("; a worker killed by SIGKILL may have run out of memory)" if killed else ")")
+            )
 
     def shutdown(self, graceful: bool = True) -> None:
         """Ask every worker to exit, wait a little, then terminate stragglers;
@@ -303,4 +318,4 @@ def send_bytes(conn, data: bytes) -> None:
     frame = memoryview(_FRAME_HEADER.pack(len(data)) + data)
     fd = conn.fileno()
     while frame:  # a signal may cut a write short
-        frame = frame[os.write(fd, frame):]
+        frame = frame[os.write(fd, frame) :]

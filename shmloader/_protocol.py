@@ -16,6 +16,7 @@ a task goes out per batch and main-process CPU per batch is a headline
 figure; wire() plus _make() on reading cost ~0.4 us.  Kinds are unique within
 each direction ("layout" goes both ways: UseLayout and Described).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -48,9 +49,11 @@ NO_RING_MAPPING_EXIT = 76
 
 # ---- main -> worker ---------------------------------------------------------
 
+
 class RingFds(NamedTuple):
     """Main -> every worker, when a ring is made: the ring's segment fd and
     eventfd follow the message in the socket's stream (SCM_RIGHTS)."""
+
     kind: str
 
     @staticmethod
@@ -60,6 +63,7 @@ class RingFds(NamedTuple):
 
 class UseLayout(NamedTuple):
     """Main -> every worker, fetch="sample", with each ring: the rows' layout."""
+
     kind: str
     layout: SampleLayout
 
@@ -70,6 +74,7 @@ class UseLayout(NamedTuple):
 
 class Task(NamedTuple):
     """Main -> one worker, per batch: fetch this batch whole and deliver it."""
+
     kind: str
     task_id: int  # unique over the iterator's life
     index: Any  # the sampler's indices (or the batch_sampler's batch)
@@ -84,6 +89,7 @@ class Task(NamedTuple):
 
 class Rows(NamedTuple):
     """Main -> every worker, per batch of fetch="sample": write your rows of it."""
+
     kind: str
     task_id: int
     slot: int  # >= 0: the slot's row count is set before any worker hears of it
@@ -101,6 +107,7 @@ class Probe(NamedTuple):
     """Main -> every worker, fetch="sample"'s first batch, before there is a
     ring: fetch your rows of it and keep them; the worker with row 0 answers
     Described (or Error)."""
+
     kind: str
     task_id: int
     index: Any
@@ -116,6 +123,7 @@ class Probe(NamedTuple):
 class Resume(NamedTuple):
     """Main -> every worker, as a new epoch of persistent workers starts;
     answered with Resumed once the old epoch's tasks are done."""
+
     kind: str
     shared_seed: int | None  # re-seeds an IterDataPipe's shared RNG
     # the number of an epoch whose prefetched tasks were dropped (go back to
@@ -129,9 +137,11 @@ class Resume(NamedTuple):
 
 # ---- worker -> main ---------------------------------------------------------
 
+
 class Segment(NamedTuple):
     """Worker -> main, for a Task whose batch went in a one-off segment of its
     own (see _one_off.py): the segment's fds follow in the pipe's stream."""
+
     kind: str
     task_id: int
     reason: str  # NO_RING, SPILL or RING_FULL
@@ -150,6 +160,7 @@ class Segment(NamedTuple):
 class Batch(NamedTuple):
     """Worker -> main, for a Task whose batch could not be laid out in shared
     memory: the batch itself, pickled by torch (pre-pickled by the worker)."""
+
     kind: str
     task_id: int
     reason: str  # NO_RING, SPILL or RING_FULL
@@ -166,6 +177,7 @@ class Batch(NamedTuple):
 
 class Error(NamedTuple):
     """Worker -> main, for a Task or Probe that failed: its result is the error."""
+
     kind: str
     task_id: int
     wrapper: ExceptionWrapper
@@ -181,6 +193,7 @@ class Error(NamedTuple):
 class RowError(NamedTuple):
     """Worker -> main, fetch="sample": one row of a Rows task failed; sent
     before the row is counted done, so it has arrived when its slot has."""
+
     kind: str
     task_id: int
     row: int
@@ -195,6 +208,7 @@ class RowError(NamedTuple):
 class Described(NamedTuple):
     """Worker -> main, from the worker with a Probe's row 0: the layout its
     first sample fixes."""
+
     kind: str
     task_id: int
     layout: SampleLayout
@@ -206,6 +220,7 @@ class Described(NamedTuple):
 
 class Stop(NamedTuple):
     """Worker -> main, for a Task: the worker's IterableDataset ran out."""
+
     kind: str
     task_id: int
     state: bytes | None  # the worker's RNG states after it, or None
@@ -217,6 +232,7 @@ class Stop(NamedTuple):
 
 class Resumed(NamedTuple):
     """Worker -> main, answering Resume: where the worker's new epoch begins."""
+
     kind: str
     worker_id: int
     rng_state: bytes | None  # the RNG states the old epoch's tasks left, or None
@@ -227,11 +243,23 @@ class Resumed(NamedTuple):
 
 
 # Each direction's records by kind (every message's first item).
-_FROM_MAIN = {"ring": RingFds._make, "layout": UseLayout._make, "task": Task._make,
-              "rows": Rows._make, "probe": Probe._make, "resume": Resume._make}
-_FROM_WORKER = {"segment": Segment._make, "batch": Batch._make, "error": Error._make,
-                "row_error": RowError._make, "layout": Described._make, "stop": Stop._make,
-                "resumed": Resumed._make}
+_FROM_MAIN = {
+    "ring": RingFds._make,
+    "layout": UseLayout._make,
+    "task": Task._make,
+    "rows": Rows._make,
+    "probe": Probe._make,
+    "resume": Resume._make,
+}
+_FROM_WORKER = {
+    "segment": Segment._make,
+    "batch": Batch._make,
+    "error": Error._make,
+    "row_error": RowError._make,
+    "layout": Described._make,
+    "stop": Stop._make,
+    "resumed": Resumed._make,
+}
 
 
 def from_main(msg):

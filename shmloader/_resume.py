@@ -26,6 +26,7 @@ reads it and a crafted checkpoint cannot run code through it.  Workers'
 states travel pickled from worker to main (both the loader's own processes)
 and become plain data only when state_dict() is called.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,9 +73,11 @@ def own_state(obj, whose: str):
 
 # ---- worker side --------------------------------------------------------------
 
+
 def _unpicklable(whose: str, e: Exception) -> UnsavedState:
-    return UnsavedState(f"{whose} state_dict() returned what pickle cannot keep "
-                        f"({type(e).__name__}: {e})")
+    return UnsavedState(
+        f"{whose} state_dict() returned what pickle cannot keep ({type(e).__name__}: {e})"
+    )
 
 
 def own_state_copy(obj, whose: str):
@@ -94,8 +97,17 @@ def worker_snapshot(stateful) -> bytes:
     pickled: cheap to take after every batch."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    rng = (version, array("I", internal).tobytes(), gauss, name, keys.tobytes(), pos,
-           has_gauss, cached, torch.get_rng_state().numpy().tobytes())
+    rng = (
+        version,
+        array("I", internal).tobytes(),
+        gauss,
+        name,
+        keys.tobytes(),
+        pos,
+        has_gauss,
+        cached,
+        torch.get_rng_state().numpy().tobytes(),
+    )
     dataset_state = own_state(stateful, "the dataset's") if stateful is not None else None
     try:
         return pickle.dumps((rng, dataset_state), pickle.HIGHEST_PROTOCOL)
@@ -111,8 +123,7 @@ def plain_worker_state(snapshot) -> dict | None:
     version, internal, gauss, name, keys, pos, has_gauss, cached, torch_state = rng
     return {
         "random": {"version": version, "internal": internal, "gauss": gauss},
-        "numpy": {"name": name, "keys": keys, "pos": pos, "has_gauss": has_gauss,
-                  "cached": cached},
+        "numpy": {"name": name, "keys": keys, "pos": pos, "has_gauss": has_gauss, "cached": cached},
         "torch": torch.frombuffer(bytearray(torch_state), dtype=torch.uint8),
         "dataset": dataset_state,
     }
@@ -129,12 +140,20 @@ def restore_worker_rng(state: dict, python=random, numpy=np.random, torch_rng=No
     (or the RNGs given: load_state_dict tries a state on fresh ones)."""
     r, n = state["random"], state["numpy"]
     python.setstate((r["version"], tuple(array("I", r["internal"])), r["gauss"]))
-    numpy.set_state((n["name"], np.frombuffer(n["keys"], dtype=np.uint32).copy(), n["pos"],
-                     n["has_gauss"], n["cached"]))
+    numpy.set_state(
+        (
+            n["name"],
+            np.frombuffer(n["keys"], dtype=np.uint32).copy(),
+            n["pos"],
+            n["has_gauss"],
+            n["cached"],
+        )
+    )
     (torch_rng or torch.default_generator).set_state(state["torch"])
 
 
 # ---- main side ----------------------------------------------------------------
+
 
 def sampler_state(loader):
     """The loader's sampler's own state_dict(), where it has one: taken before
@@ -179,8 +198,17 @@ class Progress:
     # so every batch they made has been yielded.
     ran_out_states: dict = dataclasses.field(default_factory=dict)
 
-    def epoch_begins(self, loader, epoch: int, base_seed: int | None, num_workers: int,
-                     sampler_state, *, fresh_workers: bool, sampler_started: bool = True) -> None:
+    def epoch_begins(
+        self,
+        loader,
+        epoch: int,
+        base_seed: int | None,
+        num_workers: int,
+        sampler_state,
+        *,
+        fresh_workers: bool,
+        sampler_started: bool = True,
+    ) -> None:
         """An epoch begins; fresh_workers: its workers were started for it
         (seeded afresh from base_seed), not kept from the last epoch."""
         self.epoch, self.started, self.finished = epoch, True, False
@@ -189,8 +217,9 @@ class Progress:
         self.yielded_by_worker = [(0, set()) for _ in range(num_workers)]
         self.state_numbers = [-1] * num_workers
         self.base_seed = base_seed
-        self.generator_state = (loader.generator.get_state()
-                                if loader.generator is not None else None)
+        self.generator_state = (
+            loader.generator.get_state() if loader.generator is not None else None
+        )
         self.sampler_generator_states = [g.get_state() for g in sampler_generators(loader)]
         self.torch_rng_state = torch.get_rng_state()
         self.sampler_state = sampler_state
@@ -242,8 +271,10 @@ class Progress:
         # Where each worker stood after its last yielded batch (a replay's
         # workers start from the epoch's start, and get there again).
         saved_states = state["worker_states"]
-        self.worker_states = [saved_states[i] if i < len(saved_states) else None
-                              for i in range(len(self.worker_states))]
+        self.worker_states = [
+            saved_states[i] if i < len(saved_states) else None
+            for i in range(len(self.worker_states))
+        ]
         self.epoch_start_worker_states = list(state["epoch_start_worker_states"])
 
     def batch_yielded(self, idx: int, worker_id, worker_state, number=None) -> None:
@@ -305,8 +336,9 @@ def _stateful_sampler(loader):
     outermost one (a stateful batch sampler answers for the sampler it holds),
     or one inside a plain BatchSampler."""
     for sampler in [loader.batch_sampler, loader.sampler] + loader_samplers(loader):
-        if callable(attribute(sampler, "state_dict")) and \
-                callable(attribute(sampler, "load_state_dict")):
+        if callable(attribute(sampler, "state_dict")) and callable(
+            attribute(sampler, "load_state_dict")
+        ):
             return sampler
     return None
 
@@ -342,16 +374,25 @@ def _worker_states(value) -> bool:
     """A list of plain worker states: a dataset's state, with RNG states or (the
     main process's, without workers) none."""
     return isinstance(value, list) and all(
-        s is None or isinstance(s, dict) and "dataset" in s
+        s is None
+        or isinstance(s, dict)
+        and "dataset" in s
         and ("random" in s) == ("numpy" in s) == ("torch" in s)
-        for s in value)
+        for s in value
+    )
 
 
 # What each field of a state must be: (description, test).
 def _yielded_numbers(value) -> bool:
-    return isinstance(value, list) and len(value) == 2 and _is_int(value[0]) \
-        and value[0] >= 0 and isinstance(value[1], list) and all(map(_is_int, value[1])) \
+    return (
+        isinstance(value, list)
+        and len(value) == 2
+        and _is_int(value[0])
+        and value[0] >= 0
+        and isinstance(value[1], list)
+        and all(map(_is_int, value[1]))
         and _above(value[0], value[1])
+    )
 
 
 _FIELDS = {
@@ -359,15 +400,24 @@ _FIELDS = {
     "epoch": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
     "epoch_finished": ("a bool", lambda v: isinstance(v, bool)),
     "batches_yielded": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
-    "batches_yielded_beyond": ("a list of ints",
-                               lambda v: isinstance(v, list) and all(map(_is_int, v))),
-    "batches_yielded_by_worker": ("a list of [int >= 0, list of ints] per worker",
-                                  lambda v: isinstance(v, list) and all(_yielded_numbers(w) for w in v)),
+    "batches_yielded_beyond": (
+        "a list of ints",
+        lambda v: isinstance(v, list) and all(map(_is_int, v)),
+    ),
+    "batches_yielded_by_worker": (
+        "a list of [int >= 0, list of ints] per worker",
+        lambda v: isinstance(v, list) and all(_yielded_numbers(w) for w in v),
+    ),
     # (torch draws it as a non-negative int64)
-    "base_seed": ("an int in [0, 2**63) or None", lambda v: v is None or _is_int(v) and 0 <= v < 1 << 63),
+    "base_seed": (
+        "an int in [0, 2**63) or None",
+        lambda v: v is None or _is_int(v) and 0 <= v < 1 << 63,
+    ),
     "generator_state": ("a tensor or None", lambda v: v is None or isinstance(v, torch.Tensor)),
-    "sampler_generator_states": ("a list of tensors", lambda v: isinstance(v, list) and all(
-        isinstance(t, torch.Tensor) for t in v)),
+    "sampler_generator_states": (
+        "a list of tensors",
+        lambda v: isinstance(v, list) and all(isinstance(t, torch.Tensor) for t in v),
+    ),
     "torch_rng_state": ("a tensor or None", lambda v: v is None or isinstance(v, torch.Tensor)),
     "sampler_started": ("a bool", lambda v: isinstance(v, bool)),
     "sampler_state": ("anything", lambda v: True),
@@ -398,59 +448,85 @@ def state_dict(loader, progress: Progress) -> dict:
         "epoch_finished": finished,
         "batches_yielded": 0 if finished else progress.yielded,
         "batches_yielded_beyond": [] if finished else sorted(progress.yielded_beyond),
-        "batches_yielded_by_worker": [] if finished else
-        [[below, sorted(beyond)] for below, beyond in progress.yielded_by_worker],
+        "batches_yielded_by_worker": []
+        if finished
+        else [[below, sorted(beyond)] for below, beyond in progress.yielded_by_worker],
         "base_seed": progress.base_seed if progress.started else None,
         "generator_state": generator_now if finished else progress.generator_state,
-        "sampler_generator_states": sampler_generators_now if finished else
-        progress.sampler_generator_states,
+        "sampler_generator_states": sampler_generators_now
+        if finished
+        else progress.sampler_generator_states,
         "torch_rng_state": None if finished else progress.torch_rng_state,
         "sampler_started": progress.sampler_started and not finished,
         "sampler_state": sampler_now if finished else progress.sampler_state,
         "worker_states": [plain_worker_state(s) for s in progress.worker_states],
-        "epoch_start_worker_states": [] if finished else
-        [plain_worker_state(s) for s in progress.epoch_start_worker_states],
+        "epoch_start_worker_states": []
+        if finished
+        else [plain_worker_state(s) for s in progress.epoch_start_worker_states],
         "persistent_workers": loader.persistent_workers,
     }
-    parts = [state["sampler_state"]] + [worker.get("dataset") for key in ("worker_states",
-             "epoch_start_worker_states") for worker in state[key] if worker is not None]
+    parts = [state["sampler_state"]] + [
+        worker.get("dataset")
+        for key in ("worker_states", "epoch_start_worker_states")
+        for worker in state[key]
+        if worker is not None
+    ]
     unsaved = next((part for part in parts if isinstance(part, UnsavedState)), None)
     if unsaved is not None:
-        raise RuntimeError(f"shmloader cannot save where this loader stands: {unsaved.reason}. "
-                           "Give it a state_dict() that works, or remove its state_dict() "
-                           "method (the loader then saves without that state).")
+        raise RuntimeError(
+            f"shmloader cannot save where this loader stands: {unsaved.reason}. "
+            "Give it a state_dict() that works, or remove its state_dict() "
+            "method (the loader then saves without that state)."
+        )
     return state
 
 
 def check_state(loader, state) -> dict:
     """The state, if this loader can resume from it; else a clear error."""
     if not isinstance(state, dict):
-        raise ValueError("load_state_dict expects a dict made by shmloader's "
-                         f"DataLoader.state_dict(), got {type(state).__name__}")
+        raise ValueError(
+            "load_state_dict expects a dict made by shmloader's "
+            f"DataLoader.state_dict(), got {type(state).__name__}"
+        )
     if "version" not in state:
-        raise ValueError("load_state_dict expects a dict made by shmloader's "
-                         "DataLoader.state_dict(); this dict has no 'version' key")
+        raise ValueError(
+            "load_state_dict expects a dict made by shmloader's "
+            "DataLoader.state_dict(); this dict has no 'version' key"
+        )
     if state["version"] != STATE_VERSION:
-        raise ValueError(f"this state has version {state['version']}; this shmloader reads "
-                         f"version {STATE_VERSION}")
+        raise ValueError(
+            f"this state has version {state['version']}; this shmloader reads "
+            f"version {STATE_VERSION}"
+        )
     for key, (what, fits) in _FIELDS.items():
         if key not in state:
-            raise ValueError(f"this state has no {key!r}: load_state_dict expects a dict made "
-                             "by shmloader's DataLoader.state_dict(), unchanged")
+            raise ValueError(
+                f"this state has no {key!r}: load_state_dict expects a dict made "
+                "by shmloader's DataLoader.state_dict(), unchanged"
+            )
         if not fits(state[key]):
-            raise ValueError(f"this state's {key!r} should be {what}, but it is "
-                             f"{state[key]!r:.200}; was it changed after state_dict()?")
+            raise ValueError(
+                f"this state's {key!r} should be {what}, but it is "
+                f"{state[key]!r:.200}; was it changed after state_dict()?"
+            )
     ours = _config(loader)
     theirs = state["config"]
-    differ = [k for k in ours if theirs.get(k) != ours[k] and not (
-        k == "num_workers" and loader.seed_per_sample)]
+    differ = [
+        k
+        for k in ours
+        if theirs.get(k) != ours[k] and not (k == "num_workers" and loader.seed_per_sample)
+    ]
     if differ:
         details = ", ".join(f"{k}={theirs.get(k)!r} there, {ours[k]!r} here" for k in differ)
         raise ValueError(
             f"this state was saved by a DataLoader configured differently ({details}); "
             "a state resumes only the same dataset with the same batching. "
-            + ("(num_workers may differ with seed_per_sample=True.)"
-               if "num_workers" in differ else ""))
+            + (
+                "(num_workers may differ with seed_per_sample=True.)"
+                if "num_workers" in differ
+                else ""
+            )
+        )
     _check_consistent(loader, state)
     return state
 
@@ -463,11 +539,14 @@ def _check_consistent(loader, state) -> None:
         raise ValueError(
             f"this state's 'batches_yielded_beyond' {state['batches_yielded_beyond']!r:.200} should "
             f"list distinct batches after the first {state['batches_yielded']} (its "
-            "'batches_yielded'); was it changed after state_dict()?")
+            "'batches_yielded'); was it changed after state_dict()?"
+        )
     workers = state["config"]["num_workers"]  # (may differ from the loader's: seed_per_sample)
     if not (_is_int(workers) and workers >= 0):
-        raise ValueError(f"this state's config 'num_workers' should be an int >= 0, but it is "
-                         f"{workers!r:.200}; was it changed after state_dict()?")
+        raise ValueError(
+            f"this state's config 'num_workers' should be an int >= 0, but it is "
+            f"{workers!r:.200}; was it changed after state_dict()?"
+        )
     per_worker = max(1, workers)  # num_workers=0: the main process's
     # Mid-epoch, an entry per worker; at an epoch's end, those or none.
     lengths = (per_worker,) if not state["epoch_finished"] else (0, per_worker)
@@ -476,33 +555,42 @@ def _check_consistent(loader, state) -> None:
             raise ValueError(
                 f"this state's {key!r} has {len(state[key])} entries, but it was saved "
                 f"{'mid-epoch ' if len(lengths) == 1 else ''}with num_workers={workers} "
-                f"(so {' or '.join(map(str, lengths))}); was it changed after state_dict()?")
+                f"(so {' or '.join(map(str, lengths))}); was it changed after state_dict()?"
+            )
     for key in ("worker_states", "epoch_start_worker_states"):
         for worker_id, worker_state in enumerate(state[key]):
             if worker_state is not None and "random" in worker_state:
-                _check_restores(f"{key}[{worker_id}]", lambda s=worker_state: restore_worker_rng(
-                    s, random.Random(), np.random.RandomState(), torch.Generator()))
+                _check_restores(
+                    f"{key}[{worker_id}]",
+                    lambda s=worker_state: restore_worker_rng(
+                        s, random.Random(), np.random.RandomState(), torch.Generator()
+                    ),
+                )
     generators = [loader.generator] if loader.generator is not None else [None]
     for key, saved, fits in (
-            ("generator_state", [state["generator_state"]], generators),
-            ("torch_rng_state", [state["torch_rng_state"]], [None]),
-            ("sampler_generator_states", state["sampler_generator_states"],
-             sampler_generators(loader))):
+        ("generator_state", [state["generator_state"]], generators),
+        ("torch_rng_state", [state["torch_rng_state"]], [None]),
+        ("sampler_generator_states", state["sampler_generator_states"], sampler_generators(loader)),
+    ):
         if len(saved) != len(fits):  # (restore_sampler then leaves them as they are)
             continue
         for i, (tensor, like) in enumerate(zip(saved, fits)):
             if tensor is not None:
                 device = like.device if like is not None else "cpu"
-                _check_restores(f"{key}" + (f"[{i}]" if len(fits) > 1 else ""),
-                                lambda t=tensor, d=device: torch.Generator(device=d).set_state(t))
+                _check_restores(
+                    f"{key}" + (f"[{i}]" if len(fits) > 1 else ""),
+                    lambda t=tensor, d=device: torch.Generator(device=d).set_state(t),
+                )
 
 
 def _check_restores(field: str, restore) -> None:
     try:
         restore()
     except Exception as e:
-        raise ValueError(f"this state's {field!r} holds RNG states that do not restore "
-                         f"({type(e).__name__}: {e}); was it changed after state_dict()?") from None
+        raise ValueError(
+            f"this state's {field!r} holds RNG states that do not restore "
+            f"({type(e).__name__}: {e}); was it changed after state_dict()?"
+        ) from None
 
 
 class Resume:
@@ -515,8 +603,9 @@ class Resume:
         self.skip_beyond = set(state["batches_yielded_beyond"])
         self.yielded_by_worker = state["batches_yielded_by_worker"]
         # An IterableDataset that cannot say where it was is replayed.
-        self.replay = loader._dataset_kind == 1 and \
-            not callable(attribute(loader.dataset, "load_state_dict"))
+        self.replay = loader._dataset_kind == 1 and not callable(
+            attribute(loader.dataset, "load_state_dict")
+        )
         if self.finished:
             # The next iterator starts from these (a non-persistent one draws
             # its base seed from the generator first).
@@ -531,7 +620,8 @@ class Resume:
         return ValueError(
             f"the loaded state says {self.skip} batches of this epoch were yielded, but its "
             f"sampler gives only {drawn}: was the state changed after state_dict(), or does "
-            "this loader's sampler differ from the one that saved it?")
+            "this loader's sampler differ from the one that saved it?"
+        )
 
     def settle_base_seed(self, loader, drawn: int, persistent: bool, rng_before) -> int:
         """The new iterator's base seed.  Where the uninterrupted run drew no
@@ -586,8 +676,12 @@ class Resume:
         them), or None (a state taken at an epoch's end, or by an older
         shmloader)."""
         states = self.state["epoch_start_worker_states"]
-        if self.finished or len(states) != 1 or not isinstance(states[0], dict) \
-                or "random" not in states[0]:
+        if (
+            self.finished
+            or len(states) != 1
+            or not isinstance(states[0], dict)
+            or "random" not in states[0]
+        ):
             return None
         return states[0]
 
@@ -610,6 +704,8 @@ class Resume:
 
 
 def replay_message(skip: int) -> str:
-    return (f"shmloader: resuming an IterableDataset without state_dict()/load_state_dict(): "
-            f"its first {skip} batches of this epoch are fetched again and dropped. Give the "
-            "dataset state_dict() and load_state_dict() to resume without replaying.")
+    return (
+        f"shmloader: resuming an IterableDataset without state_dict()/load_state_dict(): "
+        f"its first {skip} batches of this epoch are fetched again and dropped. Give the "
+        "dataset state_dict() and load_state_dict() to resume without replaying."
+    )

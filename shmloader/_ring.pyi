@@ -1,4 +1,5 @@
 """Types of the Cython extension _ring.pyx (the ring of slots in C, csrc/shmring.h)."""
+
 from collections.abc import Callable, Sequence
 from typing import Any
 

@@ -1,5 +1,6 @@
 """Where a loader's rings come from: creation in memfd memory, with a clear
 error when memory is short, and reuse from one iterator of a loader to the next."""
+
 from __future__ import annotations
 
 import errno
@@ -24,8 +25,10 @@ class SharedMemoryError(RuntimeError):
 
 
 # What to do about memory that is short, in every such message.
-_ADVICE = ("Lower num_slots, slot_bytes or the batch size, or give the process more memory "
-           "(a container's memory limit, docker: --memory).")
+_ADVICE = (
+    "Lower num_slots, slot_bytes or the batch size, or give the process more memory "
+    "(a container's memory limit, docker: --memory)."
+)
 
 
 def _ring_bytes_message(nslots, slot_bytes, short) -> str:
@@ -48,7 +51,8 @@ def shm_full_message(cause: str) -> str:
     one-off segment's) cannot be reserved."""
     return (
         f"shmloader could not reserve shared memory for this batch ({cause}): memory ran out "
-        "(the machine's or the memory cgroup's), so this batch is lost. " + _ADVICE)
+        "(the machine's or the memory cgroup's), so this batch is lost. " + _ADVICE
+    )
 
 
 def transport_shm_full_message(cause: str) -> str:
@@ -59,7 +63,8 @@ def transport_shm_full_message(cause: str) -> str:
         "shmloader's ring does not use it, but batches that do not go through the ring do: "
         "pass slot_bytes= of at least your largest batch's bytes, keep clones rather than "
         "views of batch tensors you collect (a kept view holds its slot), or enlarge "
-        f"{SHM_DIR} (docker: --shm-size).")
+        f"{SHM_DIR} (docker: --shm-size)."
+    )
 
 
 def _limit_bytes() -> int | None:
@@ -107,7 +112,8 @@ def smaller_ring_message(fit: int, nslots: int, slot_bytes: int, room: str) -> s
     return (
         f"shmloader: {room}, for {nslots} slots of {slot_bytes} bytes: its ring has {fit} "
         "of them, and batches beyond them travel in shared memory of their own when every "
-        "slot is held. num_slots= sets the ring's size (a ring that then does not fit is an error).")
+        "slot is held. num_slots= sets the ring's size (a ring that then does not fit is an error)."
+    )
 
 
 # Why rings live in /dev/shm instead of memfd memory in this process, or None.
@@ -149,16 +155,20 @@ def new_segment(nslots: int, slot_bytes: int) -> Ring:
                 _memfd_refused = e.strerror or str(e)
         return Ring.create_in(SHM_DIR, nslots, slot_bytes)
     except OSError as e:
-        if e.errno == errno.ENOMEM and resource.getrlimit(resource.RLIMIT_AS)[0] != \
-                resource.RLIM_INFINITY:
+        if (
+            e.errno == errno.ENOMEM
+            and resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
+        ):
             raise SharedMemoryError(
                 f"shmloader could not map its ring of {nslots * slot_bytes} bytes ({nslots} "
                 f"slots x {slot_bytes} bytes): no address space was left for it "
                 f"({address_space_limit()}). Raise that limit, or lower num_slots, slot_bytes "
-                "or the batch size.") from e
+                "or the batch size."
+            ) from e
         if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EOVERFLOW):
-            raise SharedMemoryError(_ring_bytes_message(
-                nslots, slot_bytes, f"{_memory.available()[1]} ({e.strerror})")) from e
+            raise SharedMemoryError(
+                _ring_bytes_message(nslots, slot_bytes, f"{_memory.available()[1]} ({e.strerror})")
+            ) from e
         raise
 
 
@@ -168,6 +178,7 @@ def reserve_in_background(ring: Ring) -> None:
     after the first batches, not only as slots are first used: a loader made
     later then sees what this one takes.  A slot that cannot be reserved now
     is left to its first writer, which reports it (SharedMemoryError)."""
+
     def reserve():
         try:
             ring.reserve_all()
@@ -201,8 +212,12 @@ class RingHandover:
     def take_spare_ring(self, nslots: int, slot_bytes: int) -> Ring | None:
         ring, self.spare_ring = self.spare_ring, None
         # (Never a forked child's copy: its workers would write the parent's slots.)
-        if ring is not None and ring.owned_here and ring.nslots == nslots \
-                and ring.slot_bytes >= slot_bytes:
+        if (
+            ring is not None
+            and ring.owned_here
+            and ring.nslots == nslots
+            and ring.slot_bytes >= slot_bytes
+        ):
             return ring
         if ring is not None:
             retire(ring)  # (batches kept from it keep their slots only)

@@ -20,6 +20,7 @@ dropped and the epoch is drawn afresh, from whatever the user set.  Anything
 else a sampler draws from (torch's global RNG, when there is no generator)
 is not private: see the README.
 """
+
 from __future__ import annotations
 
 import array
@@ -69,8 +70,11 @@ def _generators(loader, kinds=(torch.Generator,)):
     found = [loader.generator] if loader.generator is not None else []
     for sampler in loader_samplers(loader):
         for _, value in _attributes(sampler):
-            if issubclass(type(value), kinds) and all(value is not g for g in found) \
-                    and _has_state(value):
+            if (
+                issubclass(type(value), kinds)
+                and all(value is not g for g in found)
+                and _has_state(value)
+            ):
                 found.append(value)
     return found
 
@@ -110,8 +114,11 @@ def can_prefetch(loader) -> bool:
     """Whether the next epoch can be drawn invisibly: a sampler with set_epoch
     must keep its epoch in an int `epoch` attribute, to be set back after
     each draw."""
-    return all(type(attribute(sampler, "epoch")) is int for sampler in loader_samplers(loader)
-               if callable(attribute(sampler, "set_epoch")))
+    return all(
+        type(attribute(sampler, "epoch")) is int
+        for sampler in loader_samplers(loader)
+        if callable(attribute(sampler, "set_epoch"))
+    )
 
 
 def sampler_generators(loader):
@@ -136,8 +143,15 @@ _IMMUTABLE = (*_PRIMITIVES, np.generic)
 # Objects whose attributes are not a sampler's state: code, and the loaders
 # themselves (their counters move with every batch).  (The loader's dataset
 # counts by its length alone: see _Snapshot._of.)
-_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-           types.MethodType, DataLoader, _BaseDataLoaderIter)
+_OPAQUE = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    DataLoader,
+    _BaseDataLoaderIter,
+)
 
 
 class _Snapshot:
@@ -202,8 +216,12 @@ class _Snapshot:
             if isinstance(value, np.ndarray):
                 return ("ndarray", value.dtype.str, value.shape, value.tobytes())
             data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
-            return ("tensor", value.dtype, tuple(value.shape),
-                    bytes(data.reshape(-1).view(torch.uint8).numpy()))
+            return (
+                "tensor",
+                value.dtype,
+                tuple(value.shape),
+                bytes(data.reshape(-1).view(torch.uint8).numpy()),
+            )
         if isinstance(value, _OTHER_RNGS):
             # A new state object each call, whole (a budget's identity would differ).
             return (type(value), id(value), pickle.dumps(_get_state(value)))
@@ -238,7 +256,8 @@ def _all_immutable(values) -> bool:
 
 def _immutable(value) -> bool:
     return isinstance(value, _IMMUTABLE) or (
-        type(value) is tuple and all(isinstance(v, _IMMUTABLE) for v in value))
+        type(value) is tuple and all(isinstance(v, _IMMUTABLE) for v in value)
+    )
 
 
 def _attributes(obj):
@@ -261,8 +280,11 @@ def _attributes(obj):
 def _capture(loader):
     snapshot = _Snapshot(loader.dataset)
     # The dataset's length too: the default samplers draw below it.
-    return [snapshot.of(loader.dataset), snapshot.of(loader.generator),
-            *(snapshot.of(sampler) for sampler in loader_samplers(loader))]
+    return [
+        snapshot.of(loader.dataset),
+        snapshot.of(loader.generator),
+        *(snapshot.of(sampler) for sampler in loader_samplers(loader)),
+    ]
 
 
 def _same(a, b) -> bool:
@@ -305,7 +327,8 @@ class PrefetchedEpoch:
         # would draw the epoch after those draws, so it is left to iter().
         user_states = [_get_state(g) for g in self._generators]
         if self._left is not None and not all(
-                _same_state(a, b) for a, b in zip(user_states, self._left)):
+            _same_state(a, b) for a, b in zip(user_states, self._left)
+        ):
             self.failed = True
             raise StopIteration
         user_epochs = [attribute(sampler, "epoch") for sampler, _ in self._epochs]
@@ -338,8 +361,11 @@ class PrefetchedEpoch:
     def holds(self) -> bool:
         """Whether the next iter() finds what this epoch was drawn with (and
         its sampler did not fail: then that iter() draws it afresh)."""
-        return not self.failed and self._expected is not None and \
-            _same(_capture(self._loader), self._expected)
+        return (
+            not self.failed
+            and self._expected is not None
+            and _same(_capture(self._loader), self._expected)
+        )
 
     def adopt(self) -> None:
         """The draws happen now: the generators move on as they would have."""

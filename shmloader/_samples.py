@@ -17,6 +17,7 @@ its field, and copy the leaves into their rows.  The
 main process turns the structure into a batch of views with _layout's slot
 references; nothing about the batch is pickled per batch.
 """
+
 from __future__ import annotations
 
 import collections
@@ -67,7 +68,8 @@ def _leaf_spec(leaf):
             raise SampleLayoutError(
                 f"fetch='sample' writes samples into shared memory and needs dense CPU "
                 f"tensors, but a sample holds a {leaf.layout} tensor on {leaf.device}; "
-                "use fetch='batch'.")
+                "use fetch='batch'."
+            )
         if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
             raise SampleLayoutError(
                 f"fetch='sample' batches are plain tensors viewing shared memory, but a "
@@ -75,7 +77,8 @@ def _leaf_spec(leaf):
                 "torch's collate stacks through the subclass's own __torch_function__ (a "
                 "plain subclass stays one, torchvision's tv_tensors come out plain); use "
                 "fetch='batch', or return plain tensors (torchvision: "
-                "transforms.v2.ToPureTensor()).")
+                "transforms.v2.ToPureTensor())."
+            )
         return leaf.dtype, tuple(leaf.shape)
     if isinstance(leaf, np.ndarray):
         if leaf.dtype.hasobject or leaf.dtype.kind in "SU":
@@ -90,9 +93,23 @@ def _leaf_spec(leaf):
 
 # Dtypes torch.stack batches like any other; a tensor of another dtype (bits,
 # sub-byte, ...) or layout goes through torch's own collate once first.
-_PLAIN_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                 torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16,
-                 torch.float32, torch.float64, torch.complex64, torch.complex128}
+_PLAIN_DTYPES = {
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+}
 
 
 def _unusual(leaf) -> bool:
@@ -100,8 +117,12 @@ def _unusual(leaf) -> bool:
     on every first sample would cost a shared-memory segment (milliseconds in
     a fresh worker) on the path to the first batch."""
     return isinstance(leaf, torch.Tensor) and not (
-        leaf.layout == torch.strided and leaf.dtype in _PLAIN_DTYPES and not leaf.is_nested
-        and not leaf.is_conj() and not leaf.is_neg())
+        leaf.layout == torch.strided
+        and leaf.dtype in _PLAIN_DTYPES
+        and not leaf.is_nested
+        and not leaf.is_conj()
+        and not leaf.is_neg()
+    )
 
 
 def _leaf_kind(leaf) -> str:
@@ -120,7 +141,8 @@ def _refuse_text(batch, *, collate_fn_map=None):
     raise SampleLayoutError(
         f"fetch='sample' writes every field of a sample into a fixed-size row of shared "
         f"memory, but a sample holds a {type(batch[0]).__name__} ({batch[0]!r:.40}), "
-        "whose size varies; use fetch='batch' (the default) for such samples.")
+        "whose size varies; use fetch='batch' (the default) for such samples."
+    )
 
 
 _STACKED = (torch.Tensor, np.ndarray, np.bool_, np.number, float, int)  # default_collate's leaves
@@ -289,7 +311,8 @@ class SampleLayout:
                 copy_stream(memory, offset, t.data_ptr(), nbytes)
             else:
                 dst = torch.empty((0,), dtype=t.dtype).set_(
-                    storage, offset // t.dtype.itemsize, t.shape)
+                    storage, offset // t.dtype.itemsize, t.shape
+                )
                 dst.copy_(t)
 
     def _fitted(self, sample, first: bool) -> list:
@@ -300,14 +323,20 @@ class SampleLayout:
         except TypeError as e:  # a leaf no collate rule takes (None, say)
             if first:  # torch's collate fails on it the same way
                 raise
-            where, leaf = next(((name, leaf) for name, leaf in _named_leaves(sample)
-                                if not isinstance(leaf, (*_STACKED, str, bytes))),
-                               ("a field of this sample", None))
+            where, leaf = next(
+                (
+                    (name, leaf)
+                    for name, leaf in _named_leaves(sample)
+                    if not isinstance(leaf, (*_STACKED, str, bytes))
+                ),
+                ("a field of this sample", None),
+            )
             raise SampleLayoutError(
                 f"fetch='sample': {where} is a {type(leaf).__name__}, which default_collate "
                 "cannot batch, where the loader's first sample had a field of a fixed layout; "
                 "every sample must have the first one's fields (use fetch='batch' "
-                "otherwise).") from e
+                "otherwise)."
+            ) from e
         difference = _difference(structure, self._skeleton)
         if difference is None and len(leaves) != len(self.dtypes):  # a container unseen above
             difference = f"the sample has {len(leaves)} fields where it had {len(self.dtypes)}"
@@ -315,7 +344,8 @@ class SampleLayout:
             raise SampleLayoutError(
                 f"fetch='sample': {difference} in the loader's first sample; every sample "
                 "must have its structure (container types, keys in the same order, lengths), "
-                "since batches are laid out from it (use fetch='batch' otherwise).")
+                "since batches are laid out from it (use fetch='batch' otherwise)."
+            )
         return [self._checked(i, leaf, first) for i, leaf in enumerate(leaves)]
 
     def _checked(self, i: int, leaf, first: bool) -> torch.Tensor:
@@ -323,24 +353,33 @@ class SampleLayout:
         leaf is the batch's first sample's, whose tensor torch's collate
         makes the batch's from)."""
         dtype, shape, kind = self.dtypes[i], self.shapes[i], self.kinds[i]
-        if type(leaf) is torch.Tensor and kind == "tensor" and leaf.dtype is dtype \
-                and leaf.shape == shape and leaf.device.type == "cpu" \
-                and leaf.layout == torch.strided and not leaf.requires_grad \
-                and not leaf.is_neg() and not leaf.is_conj():
+        if (
+            type(leaf) is torch.Tensor
+            and kind == "tensor"
+            and leaf.dtype is dtype
+            and leaf.shape == shape
+            and leaf.device.type == "cpu"
+            and leaf.layout == torch.strided
+            and not leaf.requires_grad
+            and not leaf.is_neg()
+            and not leaf.is_conj()
+        ):
             return leaf
         got_kind = _leaf_kind(leaf)
         if got_kind != kind:
             raise SampleLayoutError(
                 f"fetch='sample': {self.names[i]} is a "
                 f"{got_kind}, but the first sample of the loader fixed it as a {kind}; "
-                "every sample must match it (use fetch='batch' otherwise).")
+                "every sample must match it (use fetch='batch' otherwise)."
+            )
         got_dtype, got_shape = _leaf_spec(leaf)
         if got_dtype is not dtype or tuple(got_shape) != tuple(shape):
             raise SampleLayoutError(
                 f"fetch='sample': {self.names[i]} is "
                 f"{_describe(got_dtype, got_shape)}, but the first sample of the loader fixed "
                 f"it as {_describe(dtype, shape)}; every sample must match it (use "
-                "fetch='batch' for samples whose shapes or dtypes vary).")
+                "fetch='batch' for samples whose shapes or dtypes vary)."
+            )
         if isinstance(leaf, torch.Tensor):
             if leaf.requires_grad or (first and (leaf.is_neg() or leaf.is_conj())):
                 # What a worker's default_collate refuses: stacking into shared
@@ -360,8 +399,11 @@ class SampleLayout:
         meta = self._meta.get(nrows)
         if meta is None:
             structure = pickle.loads(self._structure)
-            meta = self._meta[nrows] = _layout.dumps_refs(structure, lambda obj: (
-                self._ref(obj.number, nrows) if type(obj) is _Field else None), nrows)
+            meta = self._meta[nrows] = _layout.dumps_refs(
+                structure,
+                lambda obj: self._ref(obj.number, nrows) if type(obj) is _Field else None,
+                nrows,
+            )
         return meta
 
     def _ref(self, i: int, nrows: int):

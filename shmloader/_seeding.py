@@ -2,6 +2,7 @@
 it is in the run, not of which worker fetched it or what that worker did
 before, so random augmentations are the same whatever num_workers, fetch or
 assignment is."""
+
 from __future__ import annotations
 
 import random
@@ -41,8 +42,12 @@ def seed_sample(base_seed: int, epoch: int, position: int) -> None:
 def countable(index, auto_collation: bool):
     """A batch_sampler's batch that is an iterator (torch's fetcher only
     iterates it) as a list, whose length counts sample positions and rows."""
-    if auto_collation and type(index) is not list and not hasattr(index, "__len__") \
-            and hasattr(index, "__iter__"):
+    if (
+        auto_collation
+        and type(index) is not list
+        and not hasattr(index, "__len__")
+        and hasattr(index, "__iter__")
+    ):
         return list(index)
     return index
 

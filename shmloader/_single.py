@@ -1,6 +1,7 @@
 """num_workers=0: torch's own single-process iterator, plus the bookkeeping
 behind state_dict() (see _resume.py).  Batches are torch's, unchanged, but
 for seed_per_sample's seeding of each sample."""
+
 from __future__ import annotations
 
 import contextlib
@@ -11,8 +12,14 @@ import torch
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
 from ._cuda import DeviceStage
-from ._resume import (Progress, own_state_copy, replay_message, restore_worker_rng,
-                      sampler_state, worker_snapshot)
+from ._resume import (
+    Progress,
+    own_state_copy,
+    replay_message,
+    restore_worker_rng,
+    sampler_state,
+    worker_snapshot,
+)
 from ._sampler_state import attribute
 from ._seeding import Samples, countable, positions_in
 from ._warn import WarnsBetweenBatches
@@ -25,8 +32,11 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
         if resume is not None and resume.finished:
             resume = None  # already applied: the new epoch starts as any other
         iterable = loader._dataset_kind == _DatasetKind.Iterable
-        self._stateful = loader.dataset if iterable and \
-            callable(attribute(loader.dataset, "state_dict")) else None
+        self._stateful = (
+            loader.dataset
+            if iterable and callable(attribute(loader.dataset, "state_dict"))
+            else None
+        )
         if resume is not None:
             # Before torch's __init__, which makes the sampler's and the
             # dataset's iterators.
@@ -46,8 +56,11 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
             users_rngs = _process_rngs()
             restore_worker_rng(replay_from)
         epoch_start = (replay_from or worker_snapshot(None)) if replays else None
-        rng_before = torch.get_rng_state() if resume is not None and loader.generator is None \
-            and replay_from is None else None
+        rng_before = (
+            torch.get_rng_state()
+            if resume is not None and loader.generator is None and replay_from is None
+            else None
+        )
         super().__init__(loader)
         if resume is not None:
             self._base_seed = resume.settle_base_seed(loader, self._base_seed, False, rng_before)
@@ -55,16 +68,23 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
         # Its own record: state_dict() describes the loader's newest iterator.
         self._progress = loader._progress = Progress()
         # The base seed is saved only where samples are seeded from it.
-        self._progress.epoch_begins(loader, self._epoch,
-                                    self._base_seed if loader.seed_per_sample else None, 1,
-                                    epoch_sampler_state,
-                                    fresh_workers=False, sampler_started=False)
+        self._progress.epoch_begins(
+            loader,
+            self._epoch,
+            self._base_seed if loader.seed_per_sample else None,
+            1,
+            epoch_sampler_state,
+            fresh_workers=False,
+            sampler_started=False,
+        )
         if epoch_start is not None:
             self._progress.epoch_start_worker_states = [epoch_start]
         if loader.seed_per_sample:
-            self._dataset_fetcher = _SeededFetcher(Samples(
-                self._dataset, self._auto_collation, self._collate_fn, self._base_seed),
-                self._auto_collation, self._epoch)
+            self._dataset_fetcher = _SeededFetcher(
+                Samples(self._dataset, self._auto_collation, self._collate_fn, self._base_seed),
+                self._auto_collation,
+                self._epoch,
+            )
         self._device_stage = DeviceStage(loader.device) if loader.device is not None else None
         self._next_idx = 0  # epoch index of the next batch
         self._replay = 0

@@ -1,6 +1,7 @@
 """What a loader did: always on, a handful of additions per batch and no
 system call.  Workers count their own busy time, samples and bytes in the
 ring's header (see _worker._Busy); a snapshot reads them there."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -97,22 +98,43 @@ class LoaderStats:
             f"prefetched batches dropped)",
         ]
         for i, w in enumerate(self.workers):
-            lines.append(f"worker {i}: busy {w.busy_seconds:.3f} s, {w.samples} samples fetched, "
-                         f"{w.bytes / 1e9:.3f} GB")
+            lines.append(
+                f"worker {i}: busy {w.busy_seconds:.3f} s, {w.samples} samples fetched, "
+                f"{w.bytes / 1e9:.3f} GB"
+            )
         return "\n".join(lines)
 
 
-_COUNTED = ("batches", "samples", "wait_seconds", "wall_seconds", "slot_batches",
-            "unsized_batches", "ring_full_batches", "spilled_batches", "fallback_leaves",
-            "occupancy_max", "prefetched_epochs", "dropped_prefetched_batches")
+_COUNTED = (
+    "batches",
+    "samples",
+    "wait_seconds",
+    "wall_seconds",
+    "slot_batches",
+    "unsized_batches",
+    "ring_full_batches",
+    "spilled_batches",
+    "fallback_leaves",
+    "occupancy_max",
+    "prefetched_epochs",
+    "dropped_prefetched_batches",
+)
 
 
 class Counters:
     """The mutable counters behind LoaderStats, shared by a loader's iterators."""
 
-    __slots__ = _COUNTED + ("occupancy_sum", "warned_ring_full", "warned_spill",
-                            "warned_register", "warned_smaller_ring", "_ring", "_workers",
-                            "_retired", "_counted")
+    __slots__ = _COUNTED + (
+        "occupancy_sum",
+        "warned_ring_full",
+        "warned_spill",
+        "warned_register",
+        "warned_smaller_ring",
+        "_ring",
+        "_workers",
+        "_retired",
+        "_counted",
+    )
 
     def __init__(self):
         for name in _COUNTED + ("occupancy_sum",):
@@ -149,8 +171,10 @@ class Counters:
 
     def _live(self):
         counted = self._counted + [[0, 0, 0, 0]] * (self._workers - len(self._counted))
-        return [[a - b for a, b in zip(now, before)]
-                for now, before in zip(self._read(self._ring), counted)]
+        return [
+            [a - b for a, b in zip(now, before)]
+            for now, before in zip(self._read(self._ring), counted)
+        ]
 
     def _totals(self):
         totals = [list(c) for c in self._retired]
@@ -175,6 +199,8 @@ class Counters:
             ring_slots=ring.nslots if ring is not None else 0,
             slot_bytes=ring.slot_bytes if ring is not None else 0,
             ring_memory=ring_memory(),
-            workers=tuple(WorkerStats(busy_ns / 1e9, samples, nbytes)
-                          for busy_ns, samples, _, nbytes in totals),
+            workers=tuple(
+                WorkerStats(busy_ns / 1e9, samples, nbytes)
+                for busy_ns, samples, _, nbytes in totals
+            ),
         )

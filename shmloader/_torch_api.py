@@ -7,6 +7,7 @@ moved one fails at `import shmloader` with the name and the torch version,
 not deep in a worker.  Where torch versions behave differently (a message, a
 warning, a dispatch rule, pin-memory semantics), the behaviour is read off
 the installed torch's own code objects, not from a table of versions."""
+
 from __future__ import annotations
 
 import importlib
@@ -51,18 +52,33 @@ _NEEDED = [
 ]
 # What torch's _BaseDataLoaderIter.__init__ sets that shmloader's iterators read.
 ITERATOR_ATTRIBUTES = (
-    "_dataset", "_dataset_kind", "_IterableDataset_len_called", "_auto_collation",
-    "_drop_last", "_index_sampler", "_num_workers", "_world_size", "_rank", "_pin_memory",
-    "_pin_memory_device", "_timeout", "_collate_fn", "_sampler_iter", "_base_seed",
-    "_persistent_workers", "_num_yielded",
+    "_dataset",
+    "_dataset_kind",
+    "_IterableDataset_len_called",
+    "_auto_collation",
+    "_drop_last",
+    "_index_sampler",
+    "_num_workers",
+    "_world_size",
+    "_rank",
+    "_pin_memory",
+    "_pin_memory_device",
+    "_timeout",
+    "_collate_fn",
+    "_sampler_iter",
+    "_base_seed",
+    "_persistent_workers",
+    "_num_yielded",
 )
 
 
 def unsupported(what: str) -> str:
     """The message for a torch whose internals are not what shmloader needs."""
-    return (f"shmloader needs {what}, which torch {torch.__version__} does not have: shmloader "
-            f"supports {SUPPORTED}, and this torch moved a private name it relies on. Install "
-            "a torch in that range, or a shmloader release made for this torch.")
+    return (
+        f"shmloader needs {what}, which torch {torch.__version__} does not have: shmloader "
+        f"supports {SUPPORTED}, and this torch moved a private name it relies on. Install "
+        "a torch in that range, or a shmloader release made for this torch."
+    )
 
 
 def _check_names() -> None:
@@ -89,8 +105,10 @@ def _constant(function, prefix: str) -> str | None:
     """The string constant of `function`'s code that starts with `prefix`:
     a message the installed torch gives, word for word, or None if it has
     none such."""
-    return next((c for c in function.__code__.co_consts
-                 if isinstance(c, str) and c.startswith(prefix)), None)
+    return next(
+        (c for c in function.__code__.co_consts if isinstance(c, str) and c.startswith(prefix)),
+        None,
+    )
 
 
 _MP_ITER = _dataloader._MultiProcessingDataLoaderIter
@@ -103,7 +121,8 @@ PREFETCH_FACTOR_MESSAGE = _constant(_MP_ITER.__init__, "prefetch_factor must be"
 PICKLE_ERROR_WARNING = _constant(_MP_ITER.__init__, "Got pickle error")
 # torch's error when a batch's fds cannot be received.
 TOO_MANY_FILES = _constant(_MP_ITER._try_get_data, "Too many open files") or (
-    "Too many open files. Communication with the workers is no longer possible.")
+    "Too many open files. Communication with the workers is no longer possible."
+)
 # Whether in_order=False also caps each worker's tasks in flight at its share
 # of prefetch_factor * num_workers (a later torch), or only the total.
 IN_ORDER_FALSE_CAPS_EACH_WORKER = "_workers_num_tasks" in _MP_ITER._try_put_index.__code__.co_names

@@ -1,4 +1,5 @@
 """Warnings that point at the user's line, past shmloader's and torch's loader frames."""
+
 from __future__ import annotations
 
 import functools
@@ -44,15 +45,17 @@ def _caller_at(owner, call: str):
 
 def init_as_torch(function, *args):
     """function(*args) as _MultiProcessingDataLoaderIter's super().__init__."""
-    caller = _caller_at(torch_dataloader._MultiProcessingDataLoaderIter.__init__,
-                        "super().__init__(loader)")
+    caller = _caller_at(
+        torch_dataloader._MultiProcessingDataLoaderIter.__init__, "super().__init__(loader)"
+    )
     return caller(function, *args)
 
 
 def check_workers_as_torch(function):
     """function() as DataLoader._get_iterator's worker-number check."""
-    caller = _caller_at(torch_dataloader.DataLoader._get_iterator,
-                        "self.check_worker_number_rationality()")
+    caller = _caller_at(
+        torch_dataloader.DataLoader._get_iterator, "self.check_worker_number_rationality()"
+    )
     return caller(function)
 
 
@@ -62,11 +65,14 @@ def warn_as_torch_worker_start(message: str) -> None:
     DataLoader._get_iterator that makes that iterator."""
     owner = torch_dataloader.DataLoader._get_iterator
     warnings.warn_explicit(
-        message, UserWarning, inspect.getsourcefile(owner),
+        message,
+        UserWarning,
+        inspect.getsourcefile(owner),
         _torch_line(owner, "return _MultiProcessingDataLoaderIter(self)"),
         module=torch_dataloader.__name__,
         registry=vars(torch_dataloader).setdefault("__warningregistry__", {}),
-        module_globals=vars(torch_dataloader))
+        module_globals=vars(torch_dataloader),
+    )
 
 
 class WarnsBetweenBatches:

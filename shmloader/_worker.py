@@ -24,6 +24,7 @@ slot's metadata or its pipe message, unless nothing in it can differ
 Per-worker counters in the ring (busy ns, samples, batches, bytes written)
 are added once the ring exists; until then they are kept here.
 """
+
 from __future__ import annotations
 
 import collections
@@ -44,22 +45,43 @@ import numpy as np
 import numpy.random  # noqa: F401  here, once: else every forked worker imports it (~9 ms) to seed
 import torch
 from torch._utils import ExceptionWrapper
-from torch.utils.data import _DatasetKind, IterDataPipe
+from torch.utils.data import IterDataPipe, _DatasetKind
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
 from . import _layout, _one_off
 from ._arena import Arena, SlotCollate, slot_bytes_needed
 from ._malloc import keep_freed_memory
-from ._protocol import (EXIT, MEASURE, NO_RING, NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT,
-                        NO_SLOT, RING_FULL, SPILL, Batch, Described, Error, Resumed, RingFds,
-                        RowError, Segment, Stop, from_main)
-from ._resume import (STATE_BYTES, carries_state, plain_worker_state, restore_worker_rng,
-                      worker_snapshot)
+from ._protocol import (
+    EXIT,
+    MEASURE,
+    NO_RING,
+    NO_RING_FDS_EXIT,
+    NO_RING_MAPPING_EXIT,
+    NO_SLOT,
+    RING_FULL,
+    SPILL,
+    Batch,
+    Described,
+    Error,
+    Resumed,
+    RingFds,
+    RowError,
+    Segment,
+    Stop,
+    from_main,
+)
+from ._resume import (
+    STATE_BYTES,
+    carries_state,
+    plain_worker_state,
+    restore_worker_rng,
+    worker_snapshot,
+)
 from ._ring import Ring
 from ._rings import SharedMemoryError, shm_full_message, transport_shm_full_message
-from ._samples import SampleLayout
 from ._sampler_state import attribute
+from ._samples import SampleLayout
 from ._seeding import Samples
 from ._worker_exit import exit_now, orphaned, set_exit_handlers
 
@@ -131,8 +153,9 @@ class _Inbox:
             if msg is not EXIT and msg.kind == "ring":
                 # The fds follow the message in the stream: take them now.
                 try:
-                    with socket.fromfd(self._conn.fileno(), socket.AF_UNIX,
-                                       socket.SOCK_STREAM) as s:
+                    with socket.fromfd(
+                        self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM
+                    ) as s:
                         self.ring_fds = recvfds(s, 2)
                 except (RuntimeError, AssertionError, OSError) as e:
                     # No fd left for the socket's dup, or the kernel dropped the fds.
@@ -250,8 +273,11 @@ def worker_loop(cfg: WorkerConfig) -> None:
     except (BrokenPipeError, ConnectionError, EOFError):
         orphaned()
     except _NoRingFds as e:
-        os.write(2, f"shmloader worker {cfg.worker_id}: the ring's file descriptors did not "
-                    f"arrive ({e}): too many open files.\n".encode())
+        os.write(
+            2,
+            f"shmloader worker {cfg.worker_id}: the ring's file descriptors did not "
+            f"arrive ({e}): too many open files.\n".encode(),
+        )
         exit_now(NO_RING_FDS_EXIT)
     except _NoRingMapping as e:
         os.write(2, f"shmloader worker {cfg.worker_id}: could not map the ring ({e}).\n".encode())
@@ -263,6 +289,7 @@ def _watch_manager(manager_pid: int) -> None:
     soon as the main process is gone, wherever the worker's main thread may
     be blocked then (a message half sent by a dying main process, a full
     pipe, a lock)."""
+
     def watch():
         try:
             fd = os.pidfd_open(manager_pid)
@@ -318,8 +345,11 @@ def _run(cfg: WorkerConfig) -> None:
     # the worker itself lives on.
     # An IterableDataset that can say where it is (state_dict) is resumed
     # from there; a map-style dataset is resumed by index.
-    stateful = dataset if cfg.dataset_kind == _DatasetKind.Iterable and \
-        callable(attribute(dataset, "state_dict")) else None
+    stateful = (
+        dataset
+        if cfg.dataset_kind == _DatasetKind.Iterable and callable(attribute(dataset, "state_dict"))
+        else None
+    )
     fetcher = fetcher_error = None
     try:
         if cfg.init_fn is not None:
@@ -333,8 +363,9 @@ def _run(cfg: WorkerConfig) -> None:
     if cfg.resume_state is not None and "random" in cfg.resume_state:
         restore_worker_rng(cfg.resume_state)
 
-    samples = Samples(dataset, cfg.auto_collation, collate_fn,
-                      cfg.base_seed if cfg.seed_per_sample else None)
+    samples = Samples(
+        dataset, cfg.auto_collation, collate_fn, cfg.base_seed if cfg.seed_per_sample else None
+    )
     work = _Work(cfg, where, samples, slot_collate, collate_fn, stateful)
     inbox = _Inbox(cfg.tasks, cfg.manager_pid)
     iteration_end = False
@@ -364,8 +395,9 @@ def _run(cfg: WorkerConfig) -> None:
                 fetcher, fetcher_error = None, ExceptionWrapper(where=where)
             # With the RNG states the old epoch's last tasks left (a new
             # epoch's dataset state starts afresh): where this epoch begins.
-            cfg.results.send(Resumed.wire(cfg.worker_id,
-                                          worker_snapshot(None) if work.snapshots else None))
+            cfg.results.send(
+                Resumed.wire(cfg.worker_id, worker_snapshot(None) if work.snapshots else None)
+            )
             continue
         stale = iteration_end or inbox.superseded()
         if not stale:
@@ -399,8 +431,11 @@ def send(results, reply: tuple) -> None:
     except Exception:
         if not any(isinstance(part, ExceptionWrapper) for part in reply):
             raise
-        results.send(tuple(_picklable(part) if isinstance(part, ExceptionWrapper) else part
-                           for part in reply))
+        results.send(
+            tuple(
+                _picklable(part) if isinstance(part, ExceptionWrapper) else part for part in reply
+            )
+        )
 
 
 def _picklable(wrapper: ExceptionWrapper) -> ExceptionWrapper:
@@ -410,8 +445,10 @@ def _picklable(wrapper: ExceptionWrapper) -> ExceptionWrapper:
     except Exception as e:
         substitute = copy.copy(wrapper)
         substitute.exc_type = RuntimeError
-        substitute.where = (f"{wrapper.where}, as a RuntimeError: its "
-                            f"{wrapper.exc_type.__qualname__} could not be pickled ({e})")
+        substitute.where = (
+            f"{wrapper.where}, as a RuntimeError: its "
+            f"{wrapper.exc_type.__qualname__} could not be pickled ({e})"
+        )
         return substitute
 
 
@@ -501,8 +538,7 @@ class _Work:
                 # With the worker's RNG states: the draws of a partial batch
                 # that drop_last discarded are part of where the next epoch
                 # starts (the dataset's own state is not: it starts afresh).
-                return Stop.wire(task_id,
-                                 worker_snapshot(None) if self.snapshots else None), True
+                return Stop.wire(task_id, worker_snapshot(None) if self.snapshots else None), True
             # With the worker's state: the draws made before the error are
             # part of where a resume starts (an error is a yielded item).
             return Error.wire(task_id, self._batch_error(e), self._snapshot()), False
@@ -511,7 +547,8 @@ class _Work:
         if arena is not None and (self.slot_collate is None or self.slot_collate.arena is not None):
             try:
                 meta_off, meta_len = arena.write_meta(
-                    _layout.dumps(data, arena.place_all, samples, state))
+                    _layout.dumps(data, arena.place_all, samples, state)
+                )
             except Exception:
                 # SlotFull, or something unpicklable: torch's path decides below.
                 pass
@@ -529,8 +566,14 @@ class _Work:
             try:
                 # (A little room beyond the measure: the metadata's pickle
                 # may differ from the measured one by a few bytes.)
-                segment = _one_off.write(task_id, data, samples, state, needed + 4096,
-                                         STATE_BYTES if self.snapshots else 0)
+                segment = _one_off.write(
+                    task_id,
+                    data,
+                    samples,
+                    state,
+                    needed + 4096,
+                    STATE_BYTES if self.snapshots else 0,
+                )
             except OSError as e:  # no memory for it
                 self.give_back(slot)
                 return Error.wire(task_id, self._shm_full(e), None), False
@@ -539,9 +582,11 @@ class _Work:
             else:
                 self.give_back(slot)
                 self.busy.add(self.slots, samples, 1, needed)
-                _one_off.send(cfg.results, Segment.wire(task_id, reason,
-                                                        needed if measured else 0, samples),
-                              segment)
+                _one_off.send(
+                    cfg.results,
+                    Segment.wire(task_id, reason, needed if measured else 0, samples),
+                    segment,
+                )
                 return None, False
         needed = needed if measured else 0
         try:
@@ -551,12 +596,14 @@ class _Work:
             # given back below and may be refilled at once.
             reply, shared_bytes = _layout.dumps_detached(
                 Batch.wire(task_id, reason, data, needed, samples, state),
-                arena.owns if arena is not None else None)
+                arena.owns if arena is not None else None,
+            )
         except Exception as e:
             reply, shared_bytes = Error.wire(task_id, self._batch_error(e), None), 0
         self.give_back(slot)
-        self.busy.add(self.slots, samples, 1,
-                      len(reply) + shared_bytes if isinstance(reply, bytes) else 0)
+        self.busy.add(
+            self.slots, samples, 1, len(reply) + shared_bytes if isinstance(reply, bytes) else 0
+        )
         return reply, False
 
     # ---- fetch="sample" -------------------------------------------------------
@@ -572,8 +619,7 @@ class _Work:
         task_id, index, epoch, position = probe.task_id, probe.index, probe.epoch, probe.position
         fetched = {}  # row -> sample, or the ExceptionWrapper of its failure
         self.probed = (task_id, fetched)
-        for row in range((cfg.worker_id - position) % cfg.num_workers, len(index),
-                         cfg.num_workers):
+        for row in range((cfg.worker_id - position) % cfg.num_workers, len(index), cfg.num_workers):
             self.busy.start()
             sample = error
             if error is None:
@@ -622,8 +668,7 @@ class _Work:
                 memory, storage = self.slots.slot(slot)
             except OSError as e:  # every row of mine fails with it
                 error = error or self._shm_full(e)
-        fetched = self.probed[1] if self.probed is not None and self.probed[0] == task_id \
-            else {}
+        fetched = self.probed[1] if self.probed is not None and self.probed[0] == task_id else {}
         self.probed = None
         for row in self._my_rows(task_id, slot, len(index), position, task.first_row, fetched):
             failed = collating = False
@@ -632,8 +677,11 @@ class _Work:
                 try:
                     if error is not None:
                         raise _Reraised(error)
-                    sample = fetched[row] if row in fetched else \
-                        self.samples.get(index[row], epoch, position + row)
+                    sample = (
+                        fetched[row]
+                        if row in fetched
+                        else self.samples.get(index[row], epoch, position + row)
+                    )
                     if isinstance(sample, ExceptionWrapper):
                         raise _Reraised(sample)
                     collating = True
@@ -643,10 +691,16 @@ class _Work:
                     send(self.cfg.results, RowError.wire(task_id, row, e.wrapper, False))
                 except Exception:
                     failed = True
-                    send(self.cfg.results, RowError.wire(
-                        task_id, row, ExceptionWrapper(where=self.where), collating))
-                self.busy.add(self.slots, 0 if row in fetched else 1, 0,
-                              0 if failed else self.layout.sample_bytes)
+                    send(
+                        self.cfg.results,
+                        RowError.wire(task_id, row, ExceptionWrapper(where=self.where), collating),
+                    )
+                self.busy.add(
+                    self.slots,
+                    0 if row in fetched else 1,
+                    0,
+                    0 if failed else self.layout.sample_bytes,
+                )
             ring.row_done(slot, failed)
         return None
 
@@ -658,8 +712,9 @@ class _Work:
         """The ExceptionWrapper of a batch's error.  torch's failure to
         allocate shared memory (its collate's in a worker, or its transport's)
         in /dev/shm says what to change; it stays a RuntimeError, as torch's."""
-        if not (isinstance(error, RuntimeError)
-                and "unable to allocate shared memory" in str(error)):
+        if not (
+            isinstance(error, RuntimeError) and "unable to allocate shared memory" in str(error)
+        ):
             return ExceptionWrapper(where=self.where)
         return self._shm_error(transport_shm_full_message(str(error)), error)
 

@@ -7,6 +7,7 @@ those ways out remove it themselves.  (SIGTERM stays torch's: its C handler
 ends the worker at once, even inside a long C call, which a Python handler
 could not; a worker stopped that way leaves its dir, as torch's does.)
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """shmloader.DataLoader: torch's DataLoader with a shared-memory slot ring."""
+
 from __future__ import annotations
 
 import copy
@@ -17,9 +18,9 @@ from ._arena import changed_collation
 from ._cuda import check_device
 from ._iterator import IterableShmLoaderIter, ShmLoaderIter
 from ._resume import Progress, Resume, check_state, state_dict
-from ._single import SingleProcessIter
 from ._ring import MAX_SLOTS
 from ._rings import RingHandover
+from ._single import SingleProcessIter
 from ._stats import Counters, LoaderStats
 from ._warn import check_workers_as_torch
 
@@ -29,8 +30,7 @@ def _positive_int(name, value, upper=None):
     num_workers), or None; anything else is a clear error."""
     if value is None:
         return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
-            or value <= 0:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name} should be a positive int or None, but got {name}={value!r}")
     if upper is not None and value > upper:
         raise ValueError(f"{name} should be at most {upper}, but got {name}={value!r}")
@@ -63,40 +63,47 @@ def _check_fetch(loader, fetch, assignment):
         raise ValueError(f"fetch should be 'batch' or 'sample', but got fetch={fetch!r}")
     if assignment not in (None, "interleaved", "dynamic"):
         raise ValueError(
-            f"assignment should be 'interleaved' or 'dynamic', but got assignment={assignment!r}")
+            f"assignment should be 'interleaved' or 'dynamic', but got assignment={assignment!r}"
+        )
     if fetch == "batch":
         if assignment is not None:
             raise ValueError(
                 f"assignment={assignment!r} decides which worker fetches which sample and "
                 "applies to fetch='sample' only; with fetch='batch' workers take whole batches "
-                "in turn, as in torch.")
+                "in turn, as in torch."
+            )
         return
     if loader._dataset_kind == _DatasetKind.Iterable:
         raise ValueError(
             "fetch='sample' needs a map-style dataset (samples fetched by index); an "
             "IterableDataset's samples come from its iterator in each worker. Use "
-            "fetch='batch'.")
+            "fetch='batch'."
+        )
     if not loader._auto_collation:
         raise ValueError(
             "fetch='sample' assembles batches from samples, but batch_size=None turns off "
-            "batching; use fetch='batch'.")
+            "batching; use fetch='batch'."
+        )
     if not _fetched_one_by_one(loader.dataset):
         raise ValueError(
             "fetch='sample' fetches each sample with dataset[i], but this dataset defines "
             "__getitems__, which torch's DataLoader calls with a whole batch instead, so the "
-            "batches could differ. Use fetch='batch'.")
+            "batches could differ. Use fetch='batch'."
+        )
     if loader.collate_fn is not default_collate:
         raise ValueError(
             "fetch='sample' writes each sample straight into its row of the batch, which is "
             "what the default collate_fn does; a custom collate_fn needs the whole batch at "
-            "once. Use fetch='batch' with it, or drop collate_fn.")
+            "once. Use fetch='batch' with it, or drop collate_fn."
+        )
     changed = changed_collation()
     if changed is not None:
         raise ValueError(
             "fetch='sample' writes each sample straight into its row of the batch, as torch's "
             "own default collation does, but torch.utils.data._utils.collate."
             f"default_collate_fn_map was changed ({changed}), so default_collate batches "
-            "otherwise. Use fetch='batch'.")
+            "otherwise. Use fetch='batch'."
+        )
 
 
 def _check_map_style(loader):
@@ -104,17 +111,23 @@ def _check_map_style(loader):
         if getattr(loader, name) and loader._dataset_kind == _DatasetKind.Iterable:
             raise ValueError(
                 f"{name}=True needs a map-style dataset (samples at known positions of a "
-                "sampler); an IterableDataset's samples come from its iterator in each worker.")
-    if loader.seed_per_sample and loader._auto_collation \
-            and not _fetched_one_by_one(loader.dataset):
+                "sampler); an IterableDataset's samples come from its iterator in each worker."
+            )
+    if (
+        loader.seed_per_sample
+        and loader._auto_collation
+        and not _fetched_one_by_one(loader.dataset)
+    ):
         raise ValueError(
             "seed_per_sample=True seeds and fetches each sample with dataset[i], but this "
             "dataset defines __getitems__, which torch's DataLoader calls with a whole batch "
-            "instead, so the batches could differ. Drop seed_per_sample, or __getitems__.")
+            "instead, so the batches could differ. Drop seed_per_sample, or __getitems__."
+        )
     if loader.prefetch_next_epoch and not (loader.persistent_workers and loader.num_workers > 0):
         raise ValueError(
             "prefetch_next_epoch=True needs persistent_workers=True (and num_workers > 0): "
-            "the workers that prefetch the next epoch must outlive this one.")
+            "the workers that prefetch the next epoch must outlive this one."
+        )
 
 
 # Generic like torch's (DataLoader[Tensor] in annotations and subclasses).
@@ -248,8 +261,15 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         form (None and the value it stands for alike)."""
         assignment = (self.assignment or "interleaved") if self.fetch == "sample" else None
         device = None if self.device is not None and self.device.type == "cpu" else self.device
-        return (self.slot_bytes, self.num_slots, self.fetch, assignment,
-                self.seed_per_sample, self.prefetch_next_epoch, device)
+        return (
+            self.slot_bytes,
+            self.num_slots,
+            self.fetch,
+            assignment,
+            self.seed_per_sample,
+            self.prefetch_next_epoch,
+            device,
+        )
 
     def _check_options(self) -> None:
         """shmloader's options, at construction and again at each iter():
@@ -343,8 +363,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # (A subclass's _get_iterator may return another kind of iterator.)
         self._check_options()
         if isinstance(self._iterator, ShmLoaderIter) and (
-                self._iterator._shutdown or self._iterator._owner_pid != os.getpid()
-                or self._iterator._made_with != self._options()):
+            self._iterator._shutdown
+            or self._iterator._owner_pid != os.getpid()
+            or self._iterator._made_with != self._options()
+        ):
             self._iterator._shutdown_workers()  # (a no-op for the first two)
             prefetched = self._iterator._prefetched
             if prefetched is not None:  # its next epoch, numbered already, is drawn anew

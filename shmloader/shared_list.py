@@ -21,6 +21,7 @@ and decodes one in C.  Its format may change between Python versions, so the
 bytes never outlive the processes of one interpreter: plain pickle (a file,
 torch.save) carries the entries themselves (see SharedList.__reduce__).
 """
+
 from __future__ import annotations
 
 import errno
@@ -99,14 +100,13 @@ class SharedList(Sequence):
                 raise ValueError
         except ValueError:
             os.close(fd)
-            raise ValueError(f"file descriptor {fd} does not hold a SharedList's segment") \
-                from None
+            raise ValueError(f"file descriptor {fd} does not hold a SharedList's segment") from None
         except BaseException:
             os.close(fd)
             raise
         view = memoryview(segment)
         self._map = segment
-        self._offsets = view[_HEADER.size:offsets_end].cast("Q")
+        self._offsets = view[_HEADER.size : offsets_end].cast("Q")
         self._data = view[offsets_end:]
         self._len = count
         self._fd = fd
@@ -131,7 +131,7 @@ class SharedList(Sequence):
         elif index >= self._len:
             raise IndexError("SharedList index out of range")
         # One offset: marshal.loads reads one entry and ignores the bytes after it.
-        return _loads(self._data[self._offsets[index]:])
+        return _loads(self._data[self._offsets[index] :])
 
     def _get_other(self, index):
         if isinstance(index, slice):
@@ -142,15 +142,16 @@ class SharedList(Sequence):
         try:
             position = operator.index(index)  # a numpy or torch integer, a bool
         except TypeError:
-            raise TypeError(f"SharedList indices must be integers or slices, "
-                            f"not {type(index).__name__}") from None
+            raise TypeError(
+                f"SharedList indices must be integers or slices, not {type(index).__name__}"
+            ) from None
         return self[position]
 
     def _entries(self, start: int, stop: int):
         """Entries start..stop-1 in order, decoded a chunk of offsets at a time."""
         piece = self._data.__getitem__
         for first in range(start, stop, _CHUNK):
-            bounds = self._offsets[first:min(first + _CHUNK, stop) + 1].tolist()
+            bounds = self._offsets[first : min(first + _CHUNK, stop) + 1].tolist()
             yield from map(_loads, map(piece, map(slice, bounds, bounds[1:])))
 
     def __iter__(self):
@@ -175,8 +176,10 @@ class SharedList(Sequence):
             return NotImplemented
         if len(other) != self._len:
             return False
-        return all(self[first:first + _CHUNK] == other[first:first + _CHUNK]
-                   for first in range(0, self._len, _CHUNK))
+        return all(
+            self[first : first + _CHUNK] == other[first : first + _CHUNK]
+            for first in range(0, self._len, _CHUNK)
+        )
 
     __hash__ = None  # equal to lists, which have none
 
@@ -229,8 +232,10 @@ def _build(entries) -> int:
         for first in range(0, count, _CHUNK):
             chunk = list(islice(source, _CHUNK))
             if len(chunk) < min(_CHUNK, count - first):  # (offsets past them would be 0)
-                raise ValueError(f"SharedList: the entries' len() is {count}, but iterating "
-                                 f"them gave {first + len(chunk)}")
+                raise ValueError(
+                    f"SharedList: the entries' len() is {count}, but iterating "
+                    f"them gave {first + len(chunk)}"
+                )
             if not _all_plain(chunk):
                 chunk = _as_plain(chunk, first)
             encoded = list(map(marshal.dumps, chunk))
@@ -304,8 +309,9 @@ def _all_plain(values) -> bool:
     widths = set(map(len, tuples))
     if len(widths) != 1:
         return False
-    return all(_all_plain(list(map(operator.itemgetter(field), tuples)))
-               for field in range(widths.pop()))
+    return all(
+        _all_plain(list(map(operator.itemgetter(field), tuples))) for field in range(widths.pop())
+    )
 
 
 class _Unsupported(Exception):
@@ -335,8 +341,11 @@ def _as_plain(chunk: list, first: int) -> list:
             plain.append(_plain(entry))
         except _Unsupported as e:
             kind = type(e.value)
-            name = kind.__qualname__ if kind.__module__ == "builtins" \
+            name = (
+                kind.__qualname__
+                if kind.__module__ == "builtins"
                 else f"{kind.__module__}.{kind.__qualname__}"
+            )
             inside = "" if e.value is entry else f" ({e.value!r:.60})"
             raise TypeError(
                 f"SharedList cannot hold entry {position}, {entry!r:.100}: it holds a "

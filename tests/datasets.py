@@ -5,6 +5,7 @@ methods (the child imports this module by name). Nothing here imports shmloader:
 are fed to torch's DataLoader and to shmloader.DataLoader, and the outputs are compared with
 `assert_same` / `canon`.
 """
+
 import collections
 import collections.abc
 import copy
@@ -224,8 +225,16 @@ def aliasing_collate(batch):
     and a view of a storage much larger than itself (copied alone by shmloader)."""
     x = torch.stack([s[1] for s in batch])
     big = torch.arange(1000.0)
-    return {"x": x, "same": x, "inputs": x[:, :-1], "targets": x[:, 1:], "t": x.t(),
-            "expanded": x[:1].expand(4, -1), "slice_of_big": big[:3], "again": [x, big[:3]]}
+    return {
+        "x": x,
+        "same": x,
+        "inputs": x[:, :-1],
+        "targets": x[:, 1:],
+        "t": x.t(),
+        "expanded": x[:1].expand(4, -1),
+        "slice_of_big": big[:3],
+        "again": [x, big[:3]],
+    }
 
 
 _reductions = 0  # ReductionCounter picklings in this process
@@ -298,8 +307,17 @@ def repeated_objects_collate(batch):
     so that the metadata's pickle memo refers back to them (a shard reader's batch)."""
     x = torch.stack([s[1] for s in batch])
     name, raw, ids, array = "shard-0", b"\xff\xd8jpeg", [s[0] for s in batch], x.numpy().copy()
-    return {"cls": [name, name], "jpg": [raw, raw], "ids": ids, "again": ids,
-            "x": x, "xs": [x, x], "array": array, "arrays": (array, array), "name": name}
+    return {
+        "cls": [name, name],
+        "jpg": [raw, raw],
+        "ids": ids,
+        "again": ids,
+        "x": x,
+        "xs": [x, x],
+        "array": array,
+        "arrays": (array, array),
+        "name": name,
+    }
 
 
 def many_leaves_collate(batch):
@@ -311,21 +329,32 @@ def strided_collate(batch):
     """For IndexMap samples: tensors alone on their storages that span all of it but are not
     contiguous, and one that is a gappy part of a larger storage."""
     x = torch.stack([s[1] for s in batch])
-    return {"transposed": x.t(), "expanded": torch.tensor([1.0, 2.0]).expand(3, 2),
-            "gappy": torch.arange(12.0)[::3]}
+    return {
+        "transposed": x.t(),
+        "expanded": torch.tensor([1.0, 2.0]).expand(3, 2),
+        "gappy": torch.arange(12.0)[::3],
+    }
 
 
 def sharing(batch):
     """What aliases what in an aliasing_collate batch, and whether in-place writes reach
     each other, in it and in a deepcopy of it: the facts torch's transport keeps (the views
     of x share x's storage object, its size and their offsets in it)."""
-    same_object = [batch["x"] is batch["same"], batch["again"][0] is batch["x"],
-                   batch["again"][1] is batch["slice_of_big"]]
+    same_object = [
+        batch["x"] is batch["same"],
+        batch["again"][0] is batch["x"],
+        batch["again"][1] is batch["slice_of_big"],
+    ]
     views = ("inputs", "targets", "t", "expanded")
     storage = batch["x"].untyped_storage()
-    storages = [(batch[k].untyped_storage().data_ptr() == storage.data_ptr(),
-                 batch[k].untyped_storage().nbytes(), batch[k].storage_offset())
-                for k in views]
+    storages = [
+        (
+            batch[k].untyped_storage().data_ptr() == storage.data_ptr(),
+            batch[k].untyped_storage().nbytes(),
+            batch[k].storage_offset(),
+        )
+        for k in views
+    ]
     copied = copy.deepcopy(batch)
     copied["x"].add_(100)
     batch["x"].add_(100)  # reaches every view of x, in torch's batches
@@ -388,9 +417,7 @@ class SparseMap(Dataset):
         return self.n
 
     def __getitem__(self, i):
-        sp = torch.sparse_coo_tensor(
-            [[0, i % 4]], [1.0, float(i)], (5,), check_invariants=True
-        )
+        sp = torch.sparse_coo_tensor([[0, i % 4]], [1.0, float(i)], (5,), check_invariants=True)
         return {"sparse": sp, "dense": torch.tensor([i, i])}
 
 
@@ -479,7 +506,12 @@ class ShardedIterable(IterableDataset):
         step = max(nw, 1)
         first = self.start + max(wid, 0)
         for i in range(first, self.start + self.n, step):
-            yield {"i": i, "wid": wid, "x": torch.full((2,), i, dtype=torch.float64), "name": f"item{i}"}
+            yield {
+                "i": i,
+                "wid": wid,
+                "x": torch.full((2,), i, dtype=torch.float64),
+                "name": f"item{i}",
+            }
 
 
 class LenIterable(ShardedIterable):
@@ -645,6 +677,7 @@ class SlotsKeyErrorSampler:
     """A sampler that is a plain iterable with __slots__ and no __dict__, whose __getattr__
     raises a KeyError for names it lacks (even "__dict__"), holding a weakref.proxy to an
     object that is gone."""
+
     __slots__ = ("n", "gone")
 
     def __init__(self, n):
@@ -725,7 +758,12 @@ def dict_collate(batch):
         "f32": torch.stack([s["f32"] for s in batch]),
         "bf16": torch.stack([s["bf16"] for s in batch]),
         "np": np.stack([s["np_f64"] for s in batch]),
-        "meta": {"n": len(batch), "tag": "dict_collate", "none": None, "pt": Point(len(batch), "x")},
+        "meta": {
+            "n": len(batch),
+            "tag": "dict_collate",
+            "none": None,
+            "pt": Point(len(batch), "x"),
+        },
     }
 
 
@@ -769,7 +807,9 @@ def assert_same(a, b, path="out"):
     """Recursive equality: exact type, dtype, shape and bit-identical values (so NaN == NaN and
     -0.0 != 0.0), container types (tuple/list/dict/namedtuple/OrderedDict) and key order.
     `a` is torch's output, `b` shmloader's."""
-    assert type(a) is type(b), f"{path}: type {type(a).__name__} (torch) != {type(b).__name__} (shm)"
+    assert type(a) is type(b), (
+        f"{path}: type {type(a).__name__} (torch) != {type(b).__name__} (shm)"
+    )
     if isinstance(a, type):
         assert a is b, f"{path}: {a.__name__} (torch) != {b.__name__} (shm)"
         return
@@ -857,7 +897,8 @@ def _numeric_sample(i):
         "strided": (torch.arange(20) + i)[::3],
         "expanded": torch.tensor([float(i)]).expand(3),
         "channels_last": (torch.arange(24.0).reshape(1, 2, 3, 4) + i).contiguous(
-            memory_format=torch.channels_last)[0],
+            memory_format=torch.channels_last
+        )[0],
     }
 
 
@@ -996,9 +1037,12 @@ class StructureMap(Dataset):
             return d
         if kind.startswith("same-attribute-"):  # equal in every sample: torch's batches
             d = MetaDict(x=t)
-            d.meta = {"same-attribute-numpy": np.zeros(3), "same-attribute-nan": float("nan"),
-                      "same-attribute-tensor": torch.ones(2),
-                      "same-attribute-object": SETTINGS}.get(kind)
+            d.meta = {
+                "same-attribute-numpy": np.zeros(3),
+                "same-attribute-nan": float("nan"),
+                "same-attribute-tensor": torch.ones(2),
+                "same-attribute-object": SETTINGS,
+            }.get(kind)
             if kind == "same-attribute-shared":  # one tensor twice, or two equal ones
                 d.meta = torch.ones(2)
                 d.scale = d.meta if odd else torch.ones(2)
@@ -1020,7 +1064,10 @@ def overlapping_collate(batch):
     shared copies (each view is alone on its storage)."""
     x = torch.stack([torch.full((1000,), float(i)) for i, _ in batch])
     y = x.clone()
-    return {"expanded": x[1:2].expand(2000, -1), "window": y[1:].flatten()[3:].as_strided((2, 2), (1, 1))}
+    return {
+        "expanded": x[1:2].expand(2000, -1),
+        "window": y[1:].flatten()[3:].as_strided((2, 2), (1, 1)),
+    }
 
 
 class LazyBitsMap(Dataset):
@@ -1032,10 +1079,12 @@ class LazyBitsMap(Dataset):
         return 12
 
     def __getitem__(self, i):
-        return {"neg": torch._neg_view(torch.full((2,), float(i))),
-                "conj": torch.full((2,), complex(i, i)).conj(),
-                "empty": torch.empty_strided((3, 0), (0, 0)),
-                "empty_t": torch.empty((0, 2)).t()}
+        return {
+            "neg": torch._neg_view(torch.full((2,), float(i))),
+            "conj": torch.full((2,), complex(i, i)).conj(),
+            "empty": torch.empty_strided((3, 0), (0, 0)),
+            "empty_t": torch.empty((0, 2)).t(),
+        }
 
 
 class MismatchMap(Dataset):
@@ -1191,4 +1240,3 @@ def late_worker_init_fn(worker_id):
     """Worker 1 starts late (0.4 s): meanwhile the other workers run the first batches alone."""
     if worker_id == 1:
         time.sleep(0.4)
-

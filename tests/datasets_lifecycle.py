@@ -1,4 +1,5 @@
 """Module-level datasets for failure tests (picklable for spawn/forkserver)."""
+
 import multiprocessing.util
 import os
 import signal
@@ -126,7 +127,7 @@ class Rows(Dataset):
 # CLOCK_MONOTONIC, the same clock in every process, so the main process can
 # measure how long after the fault its error came.
 
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info  # noqa: E402  (this part of the file only)
 
 
 def _fire_once(stamp):
@@ -162,6 +163,7 @@ class FaultOnce(Dataset):
                 time.sleep(10)
             elif self.how == "sigsegv":
                 import ctypes
+
                 ctypes.string_at(0)
                 time.sleep(10)
             elif self.how == "exit":

@@ -30,6 +30,7 @@ dead-worker cases leave no worker (waited for up to GONE_S), the rest of a
 __getitem__-failed epoch and the next epoch are complete, and at the end no
 process, fd or /dev/shm entry of the loader is left.
 """
+
 import argparse
 import faulthandler
 import gc
@@ -44,8 +45,6 @@ import time
 # At the top, as in a training script: a forkserver then imports torch once (see
 # preload_forkserver) and spawned workers import this module as __mp_main__ anyway.
 from shmloader import DataLoader
-from tests.procs import alive, open_fds, own_children, wait_gone
-from tests.procs import our_segments as segments
 from tests.datasets_lifecycle import (
     FaultOnce,
     Images,
@@ -53,6 +52,8 @@ from tests.datasets_lifecycle import (
     Sleepy,
     StreamFailsOnce,
 )
+from tests.procs import alive, open_fds, own_children, wait_gone
+from tests.procs import our_segments as segments
 
 BATCHES = 32  # of the `worker` loaders: 64 samples, batch_size 2
 DEATHS = ("sigkill", "sigsegv", "exit", "idle-sigkill")
@@ -75,6 +76,7 @@ def preload_forkserver():
     torch, once, so that its workers fork with torch loaded; `python -m` does not
     (the forkserver preloads only a main module given by path), so say it."""
     import multiprocessing
+
     multiprocessing.set_forkserver_preload(["shmloader", "tests.datasets_lifecycle"])
 
 
@@ -83,9 +85,11 @@ def start_helpers(ctx):
     an fd or two open in this process for good, which is not the loader's."""
     if ctx in ("spawn", "forkserver"):
         from multiprocessing import resource_tracker
+
         resource_tracker.ensure_running()
     if ctx == "forkserver":
         from multiprocessing import forkserver
+
         forkserver.ensure_running()
 
 
@@ -95,8 +99,12 @@ _KEEP = []  # the loader and its iterator live until the interpreter exits
 
 
 def main_ends(args):
-    kw = {"batch_size": 4, "num_workers": 2, "persistent_workers": bool(args.persistent),
-          "multiprocessing_context": args.ctx}
+    kw = {
+        "batch_size": 4,
+        "num_workers": 2,
+        "persistent_workers": bool(args.persistent),
+        "multiprocessing_context": args.ctx,
+    }
     if args.when == "mid":
         loader = DataLoader(Sleepy(10**6, 0.01), **kw)
         it = iter(loader)
@@ -110,8 +118,13 @@ def main_ends(args):
         for _ in it:
             pass
     pids = list(it._pool.pids)
-    emit("ready", pid=os.getpid(), workers=pids, workers_alive=[p for p in pids if alive(p)],
-         ring=it._ring is not None or loader._ring_handover.spare_ring is not None)
+    emit(
+        "ready",
+        pid=os.getpid(),
+        workers=pids,
+        workers_alive=[p for p in pids if alive(p)],
+        ring=it._ring is not None or loader._ring_handover.spare_ring is not None,
+    )
     if args.how == "return":
         return
     if args.how == "exception":
@@ -127,6 +140,7 @@ def main_ends(args):
 
 
 # ---- a worker fails -------------------------------------------------------------
+
 
 def _read_stamp(path):
     try:
@@ -166,15 +180,22 @@ def worker_fails(args):
     tmp = tempfile.mkdtemp(prefix="kill_driver-")
     stamp = os.path.join(tmp, "stamp")
     fault = args.fault
-    kw = {"batch_size": 2, "num_workers": 2, "persistent_workers": bool(args.persistent),
-          "multiprocessing_context": args.ctx}
+    kw = {
+        "batch_size": 2,
+        "num_workers": 2,
+        "persistent_workers": bool(args.persistent),
+        "multiprocessing_context": args.ctx,
+    }
     if fault in ("sigkill", "sigsegv", "exit", "getitem"):
         # Sample 22 is in batch 11, which round robin gives to worker 1.
         how = "raise" if fault == "getitem" else fault
         loader = DataLoader(FaultOnce(64, at=22, how=how, stamp=stamp), **kw)
     elif fault == "init":
-        loader = DataLoader(FaultOnce(64, at=-1, how="raise", stamp=stamp),
-                            worker_init_fn=InitFailsOnce(1, stamp), **kw)
+        loader = DataLoader(
+            FaultOnce(64, at=-1, how="raise", stamp=stamp),
+            worker_init_fn=InitFailsOnce(1, stamp),
+            **kw,
+        )
     elif fault == "iter":
         loader = DataLoader(StreamFailsOnce(64, bad_worker=1, stamp=stamp), **kw)
     else:  # idle-sigkill
@@ -244,23 +265,31 @@ def worker_fails(args):
     emit("all_gone", pids=sorted(seen), left=left, waited_s=waited)
     shutil.rmtree(tmp, ignore_errors=True)
     gc.collect()
-    emit("final", fds_before=fds0, fds_after=open_fds(),
-         fd_list=sorted(os.listdir("/proc/self/fd")),
-         children_before=kids0, children_after=own_children(),
-         new_segments=sorted(set(segments()) - set(segs0)))
+    emit(
+        "final",
+        fds_before=fds0,
+        fds_after=open_fds(),
+        fd_list=sorted(os.listdir("/proc/self/fd")),
+        children_before=kids0,
+        children_after=own_children(),
+        new_segments=sorted(set(segments()) - set(segs0)),
+    )
 
 
 def main():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="mode", required=True)
     m = sub.add_parser("main")
-    m.add_argument("--how", required=True,
-                   choices=["return", "exception", "sigint", "sigterm", "sigkill"])
+    m.add_argument(
+        "--how", required=True, choices=["return", "exception", "sigint", "sigterm", "sigkill"]
+    )
     m.add_argument("--when", required=True, choices=["mid", "between"])
     w = sub.add_parser("worker")
-    w.add_argument("--fault", required=True,
-                   choices=["sigkill", "sigsegv", "exit", "init", "iter", "getitem",
-                            "idle-sigkill"])
+    w.add_argument(
+        "--fault",
+        required=True,
+        choices=["sigkill", "sigsegv", "exit", "init", "iter", "getitem", "idle-sigkill"],
+    )
     for p in (m, w):
         p.add_argument("--ctx", required=True, choices=["fork", "spawn", "forkserver"])
         p.add_argument("--persistent", type=int, default=0)

@@ -1,4 +1,5 @@
 """What the failure and churn tests look at, read from /proc and /dev/shm."""
+
 import faulthandler
 import os
 import signal
@@ -130,7 +131,8 @@ def describe_stuck(pids) -> str:
             continue
         out.append(f"pid {pid}: state {state}, waiting in {wchan}")
         if shutil.which("py-spy"):
-            dump = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True,
-                                  text=True, timeout=30)
+            dump = subprocess.run(
+                ["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+            )
             out.append(dump.stdout + dump.stderr)
     return "\n".join(out)

@@ -29,6 +29,7 @@ A hang dumps the stacks and exits: no scenario (its runs, or all its resumes) ma
 longer than RESUME_DRIVER_TIMEOUT seconds (default 120), a bound on a stall rather than on
 the whole run, which takes minutes on a loaded machine.
 """
+
 import faulthandler
 import glob
 import io
@@ -42,8 +43,14 @@ import warnings
 
 import numpy as np
 import torch
-from torch.utils.data import (BatchSampler, Dataset, DistributedSampler, IterableDataset,
-                              Sampler, get_worker_info)
+from torch.utils.data import (
+    BatchSampler,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    Sampler,
+    get_worker_info,
+)
 
 from tests.datasets import EpochRandomSampler
 
@@ -161,7 +168,7 @@ class EagerCountingBatchSampler(Sampler):
         g = torch.Generator().manual_seed(self.seed * 1000 + self.epochs)
         self.epochs += 1
         perm = torch.randperm(self.n, generator=g).tolist()
-        return iter([perm[i:i + self.batch_size] for i in range(0, self.n, self.batch_size)])
+        return iter([perm[i : i + self.batch_size] for i in range(0, self.n, self.batch_size)])
 
     def __len__(self):
         return (self.n + self.batch_size - 1) // self.batch_size
@@ -208,9 +215,13 @@ def _sampler(cls, **kw):
 
 def _distributed(gen=True, **kw):
     # 22 samples over 2 replicas: rank 0 gets 11; batch_size 2 -> 6 batches.
-    return lambda: _loader(AugMap(), batch_size=2, generator=_gen() if gen else None, **kw,
-                           sampler=DistributedSampler(AugMap(), num_replicas=2, rank=0,
-                                                      shuffle=True, seed=5))
+    return lambda: _loader(
+        AugMap(),
+        batch_size=2,
+        generator=_gen() if gen else None,
+        **kw,
+        sampler=DistributedSampler(AugMap(), num_replicas=2, rank=0, shuffle=True, seed=5),
+    )
 
 
 def _iterable(cls, **kw):
@@ -238,49 +249,79 @@ SCENARIOS = {
     "shuffle_nogen_w2_persistent": dict(make=_nogen(**W2P)),
     "shuffle_nogen_w0": dict(make=_nogen(num_workers=0), compare="index"),
     "shuffle_nogen_w2_user_restores_rng": dict(make=_nogen(**W2), user_rng="restore"),
-    "shuffle_nogen_w0_user_restores_rng": dict(make=_nogen(num_workers=0), compare="index",
-                                               user_rng="restore"),
+    "shuffle_nogen_w0_user_restores_rng": dict(
+        make=_nogen(num_workers=0), compare="index", user_rng="restore"
+    ),
     "stateful_sampler_w2": dict(make=_sampler(CountingSampler, **W2)),
     "stateful_sampler_w2_persistent": dict(make=_sampler(CountingSampler, **W2P)),
     "stateful_sampler_w0": dict(make=_sampler(CountingSampler, num_workers=0), compare="index"),
     # The stateful sampler inside a plain BatchSampler passed as batch_sampler=.
-    "stateful_sampler_in_batch_sampler_w2": dict(make=lambda: _loader(
-        AugMap(), batch_sampler=BatchSampler(CountingSampler(), BATCH, drop_last=False),
-        generator=_gen(), **W2)),
-    "stateful_batch_sampler_eager_w2": dict(make=lambda: _loader(
-        AugMap(), batch_sampler=EagerCountingBatchSampler(), generator=_gen(), **W2)),
-    "stateful_batch_sampler_eager_w0": dict(make=lambda: _loader(
-        AugMap(), batch_sampler=EagerCountingBatchSampler(), generator=_gen()), compare="index"),
+    "stateful_sampler_in_batch_sampler_w2": dict(
+        make=lambda: _loader(
+            AugMap(),
+            batch_sampler=BatchSampler(CountingSampler(), BATCH, drop_last=False),
+            generator=_gen(),
+            **W2,
+        )
+    ),
+    "stateful_batch_sampler_eager_w2": dict(
+        make=lambda: _loader(
+            AugMap(), batch_sampler=EagerCountingBatchSampler(), generator=_gen(), **W2
+        )
+    ),
+    "stateful_batch_sampler_eager_w0": dict(
+        make=lambda: _loader(AugMap(), batch_sampler=EagerCountingBatchSampler(), generator=_gen()),
+        compare="index",
+    ),
     "plain_sampler_w2": dict(make=_sampler(EpochSampler, **W2), set_epoch=True),
-    "plain_sampler_w0": dict(make=_sampler(EpochSampler, num_workers=0), set_epoch=True,
-                             compare="index"),
+    "plain_sampler_w0": dict(
+        make=_sampler(EpochSampler, num_workers=0), set_epoch=True, compare="index"
+    ),
     "distributed_w2": dict(make=_distributed(**W2), set_epoch=True),
     "distributed_w2_persistent": dict(make=_distributed(**W2P), set_epoch=True),
     "distributed_w0": dict(make=_distributed(), set_epoch=True, compare="index"),
     "distributed_nogen_w2": dict(make=_distributed(gen=False, **W2), set_epoch=True),
-    "distributed_nogen_w2_user_restores_rng": dict(make=_distributed(gen=False, **W2),
-                                                   set_epoch=True, user_rng="restore"),
+    "distributed_nogen_w2_user_restores_rng": dict(
+        make=_distributed(gen=False, **W2), set_epoch=True, user_rng="restore"
+    ),
     "sample_seeded_w2": dict(make=_shuffled(**W2, fetch="sample", seed_per_sample=True)),
     "sample_seeded_w2_persistent": dict(
-        make=_shuffled(**W2P, fetch="sample", seed_per_sample=True)),
+        make=_shuffled(**W2P, fetch="sample", seed_per_sample=True)
+    ),
     # seed_per_sample: a state resumes with another num_workers, augmentations included.
     "sample_seeded_w2_resumed_w1": dict(
         make=_shuffled(**W2, fetch="sample", seed_per_sample=True),
-        resume_make=_shuffled(num_workers=1, fetch="sample", seed_per_sample=True)),
+        resume_make=_shuffled(num_workers=1, fetch="sample", seed_per_sample=True),
+    ),
     "batch_seeded_w2": dict(make=_shuffled(**W2, seed_per_sample=True)),
     # seed_per_sample without workers: the augmentations too, and into and out of workers.
     "batch_seeded_w0": dict(make=_shuffled(num_workers=0, seed_per_sample=True)),
     "sample_seeded_w2_resumed_w0": dict(
         make=_shuffled(**W2, fetch="sample", seed_per_sample=True),
-        resume_make=_shuffled(num_workers=0, fetch="sample", seed_per_sample=True)),
+        resume_make=_shuffled(num_workers=0, fetch="sample", seed_per_sample=True),
+    ),
     "unordered_w2": dict(
-        make=lambda: _loader(AugMap(slow=range(0, N, 5)), batch_size=BATCH, shuffle=True,
-                             generator=_gen(), in_order=False, **W2),
-        compare="multiset"),
+        make=lambda: _loader(
+            AugMap(slow=range(0, N, 5)),
+            batch_size=BATCH,
+            shuffle=True,
+            generator=_gen(),
+            in_order=False,
+            **W2,
+        ),
+        compare="multiset",
+    ),
     "unordered_w2_persistent": dict(
-        make=lambda: _loader(AugMap(slow=range(0, N, 5)), batch_size=BATCH, shuffle=True,
-                             generator=_gen(), in_order=False, **W2P),
-        compare="multiset"),
+        make=lambda: _loader(
+            AugMap(slow=range(0, N, 5)),
+            batch_size=BATCH,
+            shuffle=True,
+            generator=_gen(),
+            in_order=False,
+            **W2P,
+        ),
+        compare="multiset",
+    ),
     "iterable_stateful_w2": dict(make=_iterable(StatefulShardIterable, **W2)),
     "iterable_stateful_w2_persistent": dict(make=_iterable(StatefulShardIterable, **W2P)),
     "iterable_stateful_w0": dict(make=_iterable(StatefulShardIterable), compare="index"),
@@ -313,7 +354,7 @@ def point_epoch(point):
         return 0
     if point.startswith("end"):
         return int(point[3:])
-    return int(point[1:point.index("k")])
+    return int(point[1 : point.index("k")])
 
 
 def start_epoch(point):
@@ -374,8 +415,9 @@ def training_loop(scen, loader, first_epoch, at_point=None):
 
 def _watchdog():
     """Dump the stacks and exit unless the next scenario ends within the time allowed."""
-    faulthandler.dump_traceback_later(float(os.environ.get("RESUME_DRIVER_TIMEOUT", "120")),
-                                      exit=True)
+    faulthandler.dump_traceback_later(
+        float(os.environ.get("RESUME_DRIVER_TIMEOUT", "120")), exit=True
+    )
 
 
 def run_full(out, names):
@@ -430,9 +472,10 @@ def run_resume(out, names):
         scen = SCENARIOS[name]
         results[name] = {}
         for path in sorted(glob.glob(os.path.join(out, f"{name}__*.pt"))):
-            point = os.path.basename(path)[len(name) + 2:-3]
-            entry = results[name][point] = dict(epochs=None, warnings=[], warning_files=[],
-                                                error=None)
+            point = os.path.basename(path)[len(name) + 2 : -3]
+            entry = results[name][point] = dict(
+                epochs=None, warnings=[], warning_files=[], error=None
+            )
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")

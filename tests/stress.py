@@ -10,6 +10,7 @@ Load comes from `stress-ng --cpu N` where Debian's stress-ng is installed, else 
 busy-loop processes (N = the number of cores unless --load says otherwise).  Each run's
 results are read from its JUnit XML; the exit status is 1 if any test failed in any run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +38,10 @@ def start_load(n: int):
     if shutil.which("stress-ng"):
         # (--timeout: stress-ng outlives a stress run that is killed.)
         return [subprocess.Popen(["stress-ng", "--cpu", str(n), "--quiet", "--timeout", "12h"])]
-    procs = [multiprocessing.get_context("spawn").Process(target=_spin, args=(os.getpid(),),
-                                                          daemon=True)
-             for _ in range(n)]
+    procs = [
+        multiprocessing.get_context("spawn").Process(target=_spin, args=(os.getpid(),), daemon=True)
+        for _ in range(n)
+    ]
     for p in procs:
         p.start()
     return procs
@@ -70,13 +72,21 @@ def failed_tests(junit_path: str):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="times to run pytest (default 3)")
-    parser.add_argument("--load", type=int, default=os.cpu_count(),
-                        help="busy processes beside the tests (default: one per core)")
-    parser.add_argument("paths", nargs="*", default=["tests"],
-                        help="what pytest runs (default: tests); pytest's own options after --")
+    parser.add_argument(
+        "--load",
+        type=int,
+        default=os.cpu_count(),
+        help="busy processes beside the tests (default: one per core)",
+    )
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        default=["tests"],
+        help="what pytest runs (default: tests); pytest's own options after --",
+    )
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
-    args, pytest_args = parser.parse_args(argv[:cut]), argv[cut + 1:]
+    args, pytest_args = parser.parse_args(argv[:cut]), argv[cut + 1 :]
 
     failures = collections.Counter()
     # A TERM ends the run through its cleanup (the load stops, pytest is not left behind).
@@ -87,16 +97,29 @@ def main(argv=None) -> int:
             for run in range(1, args.runs + 1):
                 junit = os.path.join(tmp, f"run{run}.xml")
                 start = time.monotonic()
-                code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p",
-                                        "no:cacheprovider", f"--junitxml={junit}",
-                                        *args.paths, *pytest_args])
+                code = subprocess.call(
+                    [
+                        sys.executable,
+                        "-m",
+                        "pytest",
+                        "-q",
+                        "-p",
+                        "no:cacheprovider",
+                        f"--junitxml={junit}",
+                        *args.paths,
+                        *pytest_args,
+                    ]
+                )
                 if not os.path.exists(junit):
                     print(f"run {run}: pytest exited {code} without a report", flush=True)
                     return 1
                 failed, ran = failed_tests(junit)
                 failures.update(failed)
-                print(f"run {run}/{args.runs}: {ran} tests, {len(failed)} failed, "
-                      f"{time.monotonic() - start:.0f} s, load {args.load}", flush=True)
+                print(
+                    f"run {run}/{args.runs}: {ran} tests, {len(failed)} failed, "
+                    f"{time.monotonic() - start:.0f} s, load {args.load}",
+                    flush=True,
+                )
     finally:
         stop_load(load)
     if not failures:

@@ -18,6 +18,7 @@ fork and tiny datasets keep it short: an iterator with 2 workers costs ~30-50 ms
 here (fork, worker start, shutdown and join), so the 1,000 iterators run with 2
 workers (~50 s on 2 loaded cores); 200 loaders ~10 s; 100 epochs ~1 s.
 """
+
 import gc
 import os
 import random
@@ -58,8 +59,13 @@ def _snapshot(children_baseline=None):
     if children_baseline is not None:
         # Shutdown joins its workers; allow anything slower the time a loaded machine takes.
         wait_gone(set(own_children()) - set(children_baseline), 60.0)
-    return {"fds": _fds(), "children": own_children(), "segments": our_segments(),
-            "shm_maps": _shm_maps(), "rss": _rss()}
+    return {
+        "fds": _fds(),
+        "children": own_children(),
+        "segments": our_segments(),
+        "shm_maps": _shm_maps(),
+        "rss": _rss(),
+    }
 
 
 class _Watch:
@@ -88,23 +94,27 @@ class _Watch:
             if s["segments"]:
                 problems.append(f"{where}: in /dev/shm: {s['segments']}")
             if abs(s["shm_maps"] - base["shm_maps"]) > MAPS_SLACK:
-                problems.append(f"{where}: {s['shm_maps']} /dev/shm mappings, "
-                                f"baseline {base['shm_maps']}")
+                problems.append(
+                    f"{where}: {s['shm_maps']} /dev/shm mappings, baseline {base['shm_maps']}"
+                )
         growth = self.samples[-1]["rss"] - base["rss"]
         if growth > RSS_GROWTH_MAX:
             problems.append(f"RSS grew by {growth / 2**20:.1f} MB")
         series = ", ".join(
             f"{s['step']}: fds {s['fds']} rss {(s['rss'] - base['rss']) / 2**20:+.1f} MB "
-            f"maps {s['shm_maps']}" for s in self.samples)
-        print(f"\n{self.what}: {time.monotonic() - self.started:.1f} s; baseline fds "
-              f"{base['fds']} rss {base['rss'] / 2**20:.1f} MB maps {base['shm_maps']}; {series}")
+            f"maps {s['shm_maps']}"
+            for s in self.samples
+        )
+        print(
+            f"\n{self.what}: {time.monotonic() - self.started:.1f} s; baseline fds "
+            f"{base['fds']} rss {base['rss'] / 2**20:.1f} MB maps {base['shm_maps']}; {series}"
+        )
         assert not problems, "; ".join(problems[:10]) + f" ({len(problems)} problems) [{series}]"
 
 
 @pytest.mark.slow
 def test_many_iterators_partly_consumed_and_dropped():
-    loader = DataLoader(Images(64), batch_size=4, num_workers=2,
-                        multiprocessing_context="fork")
+    loader = DataLoader(Images(64), batch_size=4, num_workers=2, multiprocessing_context="fork")
     rng = random.Random(1)
 
     def one():
@@ -127,8 +137,7 @@ def test_many_loaders_partly_iterated_and_deleted():
     rng = random.Random(2)
 
     def one():
-        loader = DataLoader(Images(64), batch_size=4, num_workers=2,
-                            multiprocessing_context="fork")
+        loader = DataLoader(Images(64), batch_size=4, num_workers=2, multiprocessing_context="fork")
         it = iter(loader)
         for _ in range(rng.randint(0, 3)):
             next(it)
@@ -146,8 +155,13 @@ def test_many_loaders_partly_iterated_and_deleted():
 
 @pytest.mark.slow
 def test_many_epochs_of_persistent_workers():
-    loader = DataLoader(Images(64), batch_size=4, num_workers=2, persistent_workers=True,
-                        multiprocessing_context="fork")
+    loader = DataLoader(
+        Images(64),
+        batch_size=4,
+        num_workers=2,
+        persistent_workers=True,
+        multiprocessing_context="fork",
+    )
     rng = random.Random(3)
     for _ in loader:  # warm-up epoch: starts the workers and sizes the ring
         pass
@@ -178,4 +192,5 @@ def test_many_epochs_of_persistent_workers():
     assert own_children() == [], "workers left after the loader was deleted"
     assert stats.ring_full_batches == 0, (
         f"{stats.ring_full_batches} batches found the ring full although the loop held at "
-        f"most one batch: {stats}")
+        f"most one batch: {stats}"
+    )

@@ -1,6 +1,7 @@
 """The GPU path (shmloader/_cuda.py): what runs without a GPU runs everywhere (the slot
 fences behind a fake fence, registration against a fake CUDA runtime, device=
 handling), and the CUDA tests run where CUDA is."""
+
 import gc
 
 import pytest
@@ -58,6 +59,7 @@ def _published(ring, seq):
 
 
 # ---- fences: a slot comes back only once its copies are done ----------------
+
 
 def test_fenced_slot_is_not_reused_until_its_fence_passes():
     ring = Ring.create_in("/dev/shm", 2, 4096)
@@ -121,6 +123,7 @@ def test_a_failing_fence_maker_gives_the_slot_back_at_once():
 
 # ---- registration --------------------------------------------------------------
 
+
 def test_register_pins_the_slots_once_and_unregisters_after_the_last_fence():
     ring = Ring.create_in("/dev/shm", 3, 10000)
     cudart = FakeCudart()
@@ -134,10 +137,13 @@ def test_register_pins_the_slots_once_and_unregisters_after_the_last_fence():
     assert cudart.calls[-1] == ("unregister", address)
 
 
-@pytest.mark.parametrize("cudart, expected", [
-    (FakeCudart(code=2), "cudaError 2"),
-    (FakeCudart(fail=RuntimeError("CUDA driver too old")), "CUDA driver too old"),
-])
+@pytest.mark.parametrize(
+    "cudart, expected",
+    [
+        (FakeCudart(code=2), "cudaError 2"),
+        (FakeCudart(fail=RuntimeError("CUDA driver too old")), "CUDA driver too old"),
+    ],
+)
 def test_register_failure_is_reported_and_leaves_the_ring_plain(cudart, expected):
     ring = Ring.create_in("/dev/shm", 2, 4096)
     failure = _cuda.register(ring, cudart)
@@ -153,6 +159,7 @@ def test_register_without_cuda_fails_cleanly():
 
 
 # ---- device= ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bad", ["nope", 3.5, "cuda:x"])
 def test_bad_device_is_a_clear_error(bad):
@@ -181,10 +188,19 @@ def test_device_without_data_or_backend_is_a_clear_error(device):
 def test_cpu_device_yields_torchs_batches(num_workers):
     ds = TensorDataset(torch.randn(20, 3, 4), torch.arange(20))
     g1, g2 = (torch.Generator().manual_seed(3) for _ in range(2))
-    ref = list(TorchDataLoader(ds, batch_size=6, shuffle=True, generator=g1,
-                               num_workers=num_workers))
-    got = list(shmloader.DataLoader(ds, batch_size=6, shuffle=True, generator=g2,
-                                    num_workers=num_workers, device=torch.device("cpu")))
+    ref = list(
+        TorchDataLoader(ds, batch_size=6, shuffle=True, generator=g1, num_workers=num_workers)
+    )
+    got = list(
+        shmloader.DataLoader(
+            ds,
+            batch_size=6,
+            shuffle=True,
+            generator=g2,
+            num_workers=num_workers,
+            device=torch.device("cpu"),
+        )
+    )
     assert len(got) == len(ref)
     for (a, b), (c, d) in zip(ref, got):
         assert torch.equal(a, c) and torch.equal(b, d)
@@ -203,17 +219,18 @@ def test_to_device_keeps_containers():
 
 # ---- on a GPU ---------------------------------------------------------------------
 
+
 def _images(n=64):
-    return TensorDataset(torch.randint(0, 256, (n, 3, 64, 64), dtype=torch.uint8),
-                         torch.arange(n))
+    return TensorDataset(torch.randint(0, 256, (n, 3, 64, 64), dtype=torch.uint8), torch.arange(n))
 
 
 @needs_cuda
 def test_pinned_slots_report_is_pinned_and_match_torch():
     ds = _images()
     ref = list(TorchDataLoader(ds, batch_size=8, num_workers=2, pin_memory=True))
-    loader = shmloader.DataLoader(ds, batch_size=8, num_workers=2, pin_memory=True,
-                                  slot_bytes=1 << 20)
+    loader = shmloader.DataLoader(
+        ds, batch_size=8, num_workers=2, pin_memory=True, slot_bytes=1 << 20
+    )
     got = list(loader)
     assert all(b[0].is_pinned() for b in got)
     for (a, b), (c, d) in zip(ref, got):
@@ -226,8 +243,9 @@ def test_non_blocking_copies_are_never_overwritten():
     """Slow GPU work queued before each copy keeps the copies pending while the
     loop drops its views at once: a slot reused too early would corrupt them."""
     ds = _images(256)
-    loader = shmloader.DataLoader(ds, batch_size=8, num_workers=2, pin_memory=True,
-                                  slot_bytes=1 << 20, num_slots=4)
+    loader = shmloader.DataLoader(
+        ds, batch_size=8, num_workers=2, pin_memory=True, slot_bytes=1 << 20, num_slots=4
+    )
     copies = []
     for images, labels in loader:
         torch.cuda._sleep(2_000_000)  # keep the stream busy
@@ -244,8 +262,9 @@ def test_device_cuda_yields_torchs_batches_on_the_gpu(num_workers):
     ds = _images()
     g1, g2 = (torch.Generator().manual_seed(5) for _ in range(2))
     ref = list(TorchDataLoader(ds, batch_size=8, shuffle=True, generator=g1))
-    loader = shmloader.DataLoader(ds, batch_size=8, shuffle=True, generator=g2,
-                                  num_workers=num_workers, device="cuda")
+    loader = shmloader.DataLoader(
+        ds, batch_size=8, shuffle=True, generator=g2, num_workers=num_workers, device="cuda"
+    )
     assert len(loader) == len(ref)
     got = list(loader)
     for (a, b), (c, d) in zip(ref, got):
@@ -255,8 +274,9 @@ def test_device_cuda_yields_torchs_batches_on_the_gpu(num_workers):
 @needs_cuda
 def test_registration_failure_falls_back_to_torchs_pinning(monkeypatch):
     monkeypatch.setattr(_cuda, "register", lambda ring: "cudaHostRegister failed (test)")
-    loader = shmloader.DataLoader(_images(), batch_size=8, num_workers=2, pin_memory=True,
-                                  slot_bytes=1 << 20)
+    loader = shmloader.DataLoader(
+        _images(), batch_size=8, num_workers=2, pin_memory=True, slot_bytes=1 << 20
+    )
     with pytest.warns(UserWarning, match="could not pin the ring"):
         got = list(loader)
     assert all(b[0].is_pinned() for b in got)

@@ -7,6 +7,7 @@
 - Several loaders iterated at once in one process (interleaved next()), and 2 processes doing that
   at the same moment, must produce exactly torch's data: no segment-name collision, no crosstalk.
 """
+
 import json
 import multiprocessing
 import os
@@ -24,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.utils.data as tud
 
-from tests import datasets as D
 from shmloader import DataLoader as ShmDataLoader
+from tests import datasets as D
 
 TorchDataLoader = tud.DataLoader
 HARD_TIMEOUT_S = 150
@@ -107,8 +108,9 @@ def _rank_main(rank, port, out_dir):
 
 def _expected_indices(rank, epoch):
     """What torch's DataLoader yields on `rank` with the same sampler (explicit world/rank)."""
-    sampler = tud.DistributedSampler(range(N), num_replicas=WORLD, rank=rank, shuffle=True,
-                                     seed=SAMPLER_SEED)
+    sampler = tud.DistributedSampler(
+        range(N), num_replicas=WORLD, rank=rank, shuffle=True, seed=SAMPLER_SEED
+    )
     sampler.set_epoch(epoch)
     loader = TorchDataLoader(D.IndexMap(N), batch_size=3, sampler=sampler)
     return [i for idx, _ in loader for i in idx.tolist()]
@@ -119,12 +121,22 @@ def _launch_ranks(out_dir):
     method is the platform's, fork on Linux), and wait for them with a hard deadline."""
     port = _free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    )
     procs = []
     for rank in range(WORLD):
         code = f"import tests.test_distributed as T; T._rank_main({rank}, {port}, {str(out_dir)!r})"
-        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=root,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                env=env,
+                cwd=root,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     deadline = time.monotonic() + HARD_TIMEOUT_S
     outputs, hung = [], []
     for p in procs:
@@ -134,8 +146,10 @@ def _launch_ranks(out_dir):
             hung.append(p.pid)
             p.kill()
             outputs.append(p.communicate()[0])
-    report = "".join(f"--- rank {r} (exit {p.returncode}) ---\n{o[-4000:]}\n"
-                     for r, (p, o) in enumerate(zip(procs, outputs, strict=True)))
+    report = "".join(
+        f"--- rank {r} (exit {p.returncode}) ---\n{o[-4000:]}\n"
+        for r, (p, o) in enumerate(zip(procs, outputs, strict=True))
+    )
     assert not hung, f"ranks {hung} still running after {HARD_TIMEOUT_S}s (hang)\n{report}"
     assert all(p.returncode == 0 for p in procs), report
 
@@ -150,14 +164,21 @@ def test_distributed_sampler_two_ranks(tmp_path):
         per_rank = []
         for r, res in enumerate(results):
             seen = [i for b in res["shm"]["epochs"][epoch] for i in b["index"]]
-            assert seen == _expected_indices(r, epoch), f"rank {r} epoch {epoch}: wrong indices/order"
+            assert seen == _expected_indices(r, epoch), (
+                f"rank {r} epoch {epoch}: wrong indices/order"
+            )
             assert res["gathered"][r] == [
-                [i for b in ep for i in b["index"]] for ep in res["shm"]["epochs"]]
+                [i for b in ep for i in b["index"]] for ep in res["shm"]["epochs"]
+            ]
             per_rank.append(seen)
         union = sorted(per_rank[0] + per_rank[1])
-        assert union == list(range(N)), f"epoch {epoch}: ranks do not cover the dataset exactly once"
+        assert union == list(range(N)), (
+            f"epoch {epoch}: ranks do not cover the dataset exactly once"
+        )
         assert results[0]["gathered"] == results[1]["gathered"]
-    assert results[0]["shm"]["epochs"][0] != results[0]["shm"]["epochs"][1], "set_epoch had no effect"
+    assert results[0]["shm"]["epochs"][0] != results[0]["shm"]["epochs"][1], (
+        "set_epoch had no effect"
+    )
     for r, res in enumerate(results):
         # Batch for batch identical to torch in the same rank: indices, worker ids, seeds, RNG draws.
         assert res["shm"] == res["torch"], f"rank {r}: shmloader output differs from torch's"
@@ -167,11 +188,25 @@ def test_distributed_sampler_two_ranks(tmp_path):
 def _loader_specs():
     return [
         (D.IndexMap(30), dict(batch_size=4, num_workers=2)),
-        (D.RichMap(10), dict(batch_size=3, num_workers=2, shuffle=True,
-                             generator=torch.Generator().manual_seed(1))),
+        (
+            D.RichMap(10),
+            dict(
+                batch_size=3,
+                num_workers=2,
+                shuffle=True,
+                generator=torch.Generator().manual_seed(1),
+            ),
+        ),
         (D.ShardedIterable(13), dict(batch_size=2, num_workers=1)),
-        (D.RNGMap(12), dict(batch_size=2, num_workers=2, persistent_workers=True,
-                            generator=torch.Generator().manual_seed(2))),
+        (
+            D.RNGMap(12),
+            dict(
+                batch_size=2,
+                num_workers=2,
+                persistent_workers=True,
+                generator=torch.Generator().manual_seed(2),
+            ),
+        ),
         (D.GrowingMap(10), dict(batch_size=None, num_workers=2)),
         (D.IndexMap(7), dict(batch_size=2)),
     ]

@@ -3,6 +3,7 @@ to a heading where it names one), the README stays short and runs CI's test comm
 DataLoader argument is documented in docs/options.md (with its real default) and in the
 README's options table, and the benchmark figures in docs/benchmarks.md are what
 benchmarks/report.py writes from their JSON.  No loader runs here."""
+
 import importlib
 import inspect
 import json
@@ -21,15 +22,20 @@ DOCS = ROOT / "docs"
 OPTIONS = DOCS / "options.md"
 README_MAX_LINES = 200
 # What CI runs (.ci/run); the README gives it as one line to copy.
-TEST_COMMAND = ('python -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 numpy '
-                '&& pip install -e ".[test]" && python -m pytest -q tests')
+TEST_COMMAND = (
+    "python -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 numpy "
+    '&& pip install -e ".[test]" && python -m pytest -q tests'
+)
 # Pages other work adds (issues 27 and 28): linked already, checked like any page once they
 # exist; until then a link to them is the only kind allowed to dangle.
-PENDING = {"docs/compare.md": "issue 27 (shmloader.compare)",
-           "docs/shared_list.md": "issue 28 (shmloader.SharedList)"}
+PENDING = {
+    "docs/compare.md": "issue 27 (shmloader.compare)",
+    "docs/shared_list.md": "issue 28 (shmloader.SharedList)",
+}
 
-PARAMETERS = [name for name in inspect.signature(shmloader.DataLoader.__init__).parameters
-              if name != "self"]
+PARAMETERS = [
+    name for name in inspect.signature(shmloader.DataLoader.__init__).parameters if name != "self"
+]
 
 
 def pages() -> list[Path]:
@@ -108,7 +114,9 @@ def test_pending_pages(name):
 
 def test_readme_is_short():
     lines = README.read_text().splitlines()
-    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; at most {README_MAX_LINES}"
+    assert len(lines) <= README_MAX_LINES, (
+        f"README.md has {len(lines)} lines; at most {README_MAX_LINES}"
+    )
 
 
 def test_readme_runs_the_ci_test_command():
@@ -123,8 +131,11 @@ def test_readme_and_docs_hold_no_history():
     for page in [README, *sorted(DOCS.glob("*.md"))]:
         text = prose(page.read_text())
         assert not re.search(r"\bUTC\b", text), f"{relative(page)} gives a UTC time"
-        hashes = [h for h in re.findall(r"\b[0-9a-f]{7,40}\b", text)
-                  if re.search(r"[a-f]", h) and re.search(r"[0-9]", h)]
+        hashes = [
+            h
+            for h in re.findall(r"\b[0-9a-f]{7,40}\b", text)
+            if re.search(r"[a-f]", h) and re.search(r"[0-9]", h)
+        ]
         assert not hashes, f"{relative(page)} cites commits {hashes}"
 
 
@@ -151,11 +162,14 @@ def test_every_argument_is_in_docs_options(name):
     default = inspect.signature(shmloader.DataLoader.__init__).parameters[name].default
     entry = entries[name].strip().lstrip("|").strip()
     if default is inspect.Parameter.empty:
-        assert entry.startswith("(required)"), f"`{name}` has no default; docs/options.md says {entry[:40]!r}"
+        assert entry.startswith("(required)"), (
+            f"`{name}` has no default; docs/options.md says {entry[:40]!r}"
+        )
     else:
         expected = f"`{written(default)}`"
-        assert entry.startswith(expected) or entry.startswith(f"Default {expected}"), \
+        assert entry.startswith(expected) or entry.startswith(f"Default {expected}"), (
             f"`{name}` defaults to {expected}; docs/options.md says {entry[:40]!r}"
+        )
 
 
 def readme_options_table() -> str:
@@ -174,6 +188,7 @@ def test_every_argument_is_in_the_readme_options_table(name):
 
 # The figures section of docs/benchmarks.md and benchmarks/report.py, which writes it.
 
+
 @pytest.fixture(scope="module")
 def report():
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -185,9 +200,10 @@ def report():
 
 def figures_section(report) -> str:
     page = (DOCS / "benchmarks.md").read_text()
-    assert page.count(report.BEGIN) == 1 and page.count(report.END) == 1, \
+    assert page.count(report.BEGIN) == 1 and page.count(report.END) == 1, (
         "docs/benchmarks.md needs one figures section, between report.py's markers"
-    return page[page.index(report.BEGIN):page.index(report.END) + len(report.END)]
+    )
+    return page[page.index(report.BEGIN) : page.index(report.END) + len(report.END)]
 
 
 def test_figures_section_is_what_report_writes(report, tmp_path):
@@ -200,25 +216,48 @@ def test_figures_section_is_what_report_writes(report, tmp_path):
         if not path.exists() or report._digest(path) != digest:
             pytest.skip(f"benchmarks/results/{name} is not the file the figures were written from")
         shutil.copy(path, tmp_path / name)
-    assert report.figures_section(tmp_path) == section, \
+    assert report.figures_section(tmp_path) == section, (
         "docs/benchmarks.md's figures differ from their JSON: run python benchmarks/report.py"
+    )
 
 
 def bench_document() -> dict:
     """A made-up bench.py document (not measured: only its shape matters here)."""
+
     def figures(rate):
-        return {"samples_per_s": rate, "gb_per_s": rate / 1e4, "throughput_spread": 0.1,
-                "fraction_of_limit": rate / 1000, "cpu_s_per_batch": 1e-3, "main_cpu_s_per_batch": 2e-3,
-                "first_batch_s": 0.2, "memory": {"added_pss_bytes": 2**21, "growth_pss_bytes": 0}}
+        return {
+            "samples_per_s": rate,
+            "gb_per_s": rate / 1e4,
+            "throughput_spread": 0.1,
+            "fraction_of_limit": rate / 1000,
+            "cpu_s_per_batch": 1e-3,
+            "main_cpu_s_per_batch": 2e-3,
+            "first_batch_s": 0.2,
+            "memory": {"added_pss_bytes": 2**21, "growth_pss_bytes": 0},
+        }
+
     return {
         "command": ["benchmarks/bench.py", "--quick"],
-        "machine": {"cores": 2, "cpu_model": "cpu", "memory_bytes": 2**30, "python": "3.11", "torch": "2.13",
-                    "numpy": "2.4", "platform": "Linux", "shmloader": "0.1.0"},
-        "runs": [{"preset": {"name": "tiny", "sample": "float32 256 + int label"},
-                  "settings": {"workers": 2, "batch_size": 64, "reps": 3, "batches_per_epoch": 10},
-                  "loaders": {"torch": figures(100), "shmloader": figures(500)},
-                  "limit": {"samples_per_s": 1000}, "ratios": {"shmloader/torch": {"samples_per_s": 5.0}},
-                  "correctness": {"reference": "torch", "compared": ["shmloader"], "batches": 10}}],
+        "machine": {
+            "cores": 2,
+            "cpu_model": "cpu",
+            "memory_bytes": 2**30,
+            "python": "3.11",
+            "torch": "2.13",
+            "numpy": "2.4",
+            "platform": "Linux",
+            "shmloader": "0.1.0",
+        },
+        "runs": [
+            {
+                "preset": {"name": "tiny", "sample": "float32 256 + int label"},
+                "settings": {"workers": 2, "batch_size": 64, "reps": 3, "batches_per_epoch": 10},
+                "loaders": {"torch": figures(100), "shmloader": figures(500)},
+                "limit": {"samples_per_s": 1000},
+                "ratios": {"shmloader/torch": {"samples_per_s": 5.0}},
+                "correctness": {"reference": "torch", "compared": ["shmloader"], "batches": 10},
+            }
+        ],
     }
 
 

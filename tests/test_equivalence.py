@@ -6,6 +6,7 @@ dataset (and fresh generators/samplers via `Fresh`), iterates the requested numb
 keeping every batch alive (list(loader)), and records len(loader), the batches, the state of the
 main process's global RNGs afterwards (same draws consumed) and the warnings torch emitted.
 """
+
 import collections
 import copy
 import functools
@@ -26,10 +27,10 @@ import torch.utils.data as tud
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from tests import datasets as D
-from tests.procs import wait_until
 from shmloader import DataLoader as ShmDataLoader
 from shmloader import _torch_api
+from tests import datasets as D
+from tests.procs import wait_until
 
 TorchDataLoader = tud.DataLoader
 SEED = 20240611
@@ -90,8 +91,11 @@ def run(cls, make_dataset, *, epochs=1, seed=SEED, on_epoch=None, **kw):
     rng_after = (random.random(), np.random.rand(), torch.rand(2))
     # C++ TORCH_WARN_ONCE warnings ("Triggered internally at ...") fire once per process, so
     # whichever loader runs second cannot see them: not comparable.
-    warns = [(w.category, _norm_warning(str(w.message))) for w in caught
-             if "Triggered internally" not in str(w.message)]
+    warns = [
+        (w.category, _norm_warning(str(w.message)))
+        for w in caught
+        if "Triggered internally" not in str(w.message)
+    ]
     return Result(length, out, rng_after, warns)
 
 
@@ -166,10 +170,14 @@ SCENARIOS = {
     # shuffle, generator, worker seeds, get_worker_info()
     "rng-shuffle-global-w2": (P(D.RNGMap, 16), dict(batch_size=4, shuffle=True, epochs=2, **W2)),
     "rng-shuffle-generator-w2": (
-        P(D.RNGMap, 16), dict(batch_size=4, shuffle=True, generator=gen(7), epochs=2, **W2)),
+        P(D.RNGMap, 16),
+        dict(batch_size=4, shuffle=True, generator=gen(7), epochs=2, **W2),
+    ),
     "rng-shuffle-w0": (P(D.RNGMap, 12), dict(batch_size=4, shuffle=True, epochs=2)),
     "rng-shuffle-generator-w0": (
-        P(D.RNGMap, 12), dict(batch_size=4, shuffle=True, generator=gen(3), epochs=2)),
+        P(D.RNGMap, 12),
+        dict(batch_size=4, shuffle=True, generator=gen(3), epochs=2),
+    ),
     "rng-noshuffle-generator-w2": (P(D.RNGMap, 12), dict(batch_size=3, generator=gen(11), **W2)),
     "rng-w1": (P(D.RNGMap, 8), dict(batch_size=2, num_workers=1)),
     "rng-w3": (P(D.RNGMap, 14), dict(batch_size=2, num_workers=3)),
@@ -178,93 +186,157 @@ SCENARIOS = {
     "sampler-reverse": (P(D.IndexMap, 11), dict(batch_size=3, sampler=D.ReverseSampler(11), **W2)),
     "sampler-random-generator": (
         P(D.RNGMap, 12),
-        dict(batch_size=5, sampler=Fresh(lambda: tud.RandomSampler(
-            range(12), generator=torch.Generator().manual_seed(5))), epochs=2, **W2)),
+        dict(
+            batch_size=5,
+            sampler=Fresh(
+                lambda: tud.RandomSampler(range(12), generator=torch.Generator().manual_seed(5))
+            ),
+            epochs=2,
+            **W2,
+        ),
+    ),
     "sampler-random-replacement-global": (
         P(D.IndexMap, 10),
-        dict(batch_size=4, sampler=Fresh(lambda: tud.RandomSampler(
-            range(10), replacement=True, num_samples=15)), epochs=2, **W2)),
+        dict(
+            batch_size=4,
+            sampler=Fresh(lambda: tud.RandomSampler(range(10), replacement=True, num_samples=15)),
+            epochs=2,
+            **W2,
+        ),
+    ),
     "sampler-weighted-global": (
         P(D.RNGMap, 10),
-        dict(batch_size=3, sampler=tud.WeightedRandomSampler(
-            [0.1, 0.5, 1, 2, 0.3, 0.3, 4, 0.01, 1, 1], 13, replacement=True), **W2)),
+        dict(
+            batch_size=3,
+            sampler=tud.WeightedRandomSampler(
+                [0.1, 0.5, 1, 2, 0.3, 0.3, 4, 0.01, 1, 1], 13, replacement=True
+            ),
+            **W2,
+        ),
+    ),
     "sampler-subset-generator": (
         P(D.IndexMap, 20),
-        dict(batch_size=2, sampler=Fresh(lambda: tud.SubsetRandomSampler(
-            [1, 4, 9, 16, 17], generator=torch.Generator().manual_seed(2))), **W2)),
+        dict(
+            batch_size=2,
+            sampler=Fresh(
+                lambda: tud.SubsetRandomSampler(
+                    [1, 4, 9, 16, 17], generator=torch.Generator().manual_seed(2)
+                )
+            ),
+            **W2,
+        ),
+    ),
     "batch-sampler-lists": (
-        P(D.IndexMap, 20), dict(batch_sampler=[[0, 1], [5], [2, 3, 4], [19, 18, 17, 16]], **W2)),
+        P(D.IndexMap, 20),
+        dict(batch_sampler=[[0, 1], [5], [2, 3, 4], [19, 18, 17, 16]], **W2),
+    ),
     "batch-sampler-obj-droplast": (
         P(D.IndexMap, 20),
-        dict(batch_sampler=tud.BatchSampler(tud.SequentialSampler(range(20)), 6, True), **W2)),
+        dict(batch_sampler=tud.BatchSampler(tud.SequentialSampler(range(20)), 6, True), **W2),
+    ),
     "batch-sampler-chunks-w0": (P(D.IndexMap, 10), dict(batch_sampler=D.ChunkBatchSampler(10))),
     "batch-sampler-chunks-w2": (P(D.RNGMap, 10), dict(batch_sampler=D.ChunkBatchSampler(10), **W2)),
-    "sampler-keyerror-getattr-w2": (P(D.IndexMap, 9), dict(batch_size=2, sampler=D.KeyErrorSampler(9), **W2)),
-    "sampler-keyerror-getattr-w0": (P(D.IndexMap, 9), dict(batch_size=2, sampler=D.KeyErrorSampler(9))),
+    "sampler-keyerror-getattr-w2": (
+        P(D.IndexMap, 9),
+        dict(batch_size=2, sampler=D.KeyErrorSampler(9), **W2),
+    ),
+    "sampler-keyerror-getattr-w0": (
+        P(D.IndexMap, 9),
+        dict(batch_size=2, sampler=D.KeyErrorSampler(9)),
+    ),
     "sampler-slots-keyerror-getattr-w2": (
-        P(D.IndexMap, 9), dict(batch_size=2, sampler=D.SlotsKeyErrorSampler(9), **W2)),
+        P(D.IndexMap, 9),
+        dict(batch_size=2, sampler=D.SlotsKeyErrorSampler(9), **W2),
+    ),
     "iterable-keyerror-getattr-w2": (P(D.KeyErrorStream, 9), dict(batch_size=2, **W2)),
     "iterable-keyerror-getattr-w0": (P(D.KeyErrorStream, 9), dict(batch_size=2)),
-    "batch-sampler-iterators-w2": (P(D.IndexMap, 12), dict(batch_sampler=D.IteratorBatchSampler(), **W2)),
+    "batch-sampler-iterators-w2": (
+        P(D.IndexMap, 12),
+        dict(batch_sampler=D.IteratorBatchSampler(), **W2),
+    ),
     "batch-sampler-iterators-w0": (P(D.IndexMap, 12), dict(batch_sampler=D.IteratorBatchSampler())),
     # batch_size=None (no auto-collation: default_convert per sample)
     "nobatch-rich-w2": (P(D.RichMap, 6), dict(batch_size=None, **W2)),
     "nobatch-rich-w0": (P(D.RichMap, 6), dict(batch_size=None)),
     "nobatch-shuffle-generator-w2": (
-        P(D.RNGMap, 8), dict(batch_size=None, shuffle=True, generator=gen(1), **W2)),
+        P(D.RNGMap, 8),
+        dict(batch_size=None, shuffle=True, generator=gen(1), **W2),
+    ),
     "nobatch-sampler-w2": (P(D.IndexMap, 9), dict(batch_size=None, sampler=[8, 0, 4], **W2)),
     # custom collate_fn
     "collate-numpy-w2": (P(D.IndexMap, 10), dict(batch_size=3, collate_fn=D.numpy_collate, **W2)),
     "collate-numpy-w0": (P(D.IndexMap, 10), dict(batch_size=3, collate_fn=D.numpy_collate)),
     "collate-dict-w2": (P(D.RichMap, 8), dict(batch_size=3, collate_fn=D.dict_collate, **W2)),
     "collate-numpy-kinds-w2": (
-        P(D.NumpyKindsMap, 12), dict(batch_size=2, collate_fn=D.identity_collate, **W2)),
+        P(D.NumpyKindsMap, 12),
+        dict(batch_size=2, collate_fn=D.identity_collate, **W2),
+    ),
     "collate-object-w2": (P(D.IndexMap, 8), dict(batch_size=3, collate_fn=D.object_collate, **W2)),
     "collate-identity-growing-w2": (
-        P(D.GrowingMap, 12), dict(batch_size=2, collate_fn=D.identity_collate, **W2)),
+        P(D.GrowingMap, 12),
+        dict(batch_size=2, collate_fn=D.identity_collate, **W2),
+    ),
     "collate-nobatch-identity-w2": (
-        P(D.IndexMap, 6), dict(batch_size=None, collate_fn=D.identity_collate, **W2)),
+        P(D.IndexMap, 6),
+        dict(batch_size=None, collate_fn=D.identity_collate, **W2),
+    ),
     # sample leaf kinds
     "rich-bs4-w2": (P(D.RichMap, 8), dict(batch_size=4, **W2)),
     "rich-bs3-w0": (P(D.RichMap, 7), dict(batch_size=3)),
     "getitems-w2": (P(D.GetItemsMap, 10), dict(batch_size=4, **W2)),
     "getitems-w0": (P(D.GetItemsMap, 10), dict(batch_size=4)),
     "getitems-nobatch-w2": (P(D.GetItemsMap, 5), dict(batch_size=None, **W2)),
-
     "growing-nobatch-w2": (P(D.GrowingMap, 12), dict(batch_size=None, **W2)),
     "growing-bs1-w2": (P(D.GrowingMap, 12), dict(batch_size=1, **W2)),
     "sparse-nobatch-w2": (P(D.SparseMap, 6), dict(batch_size=None, **W2)),
     # worker_init_fn
-    "init-mark-w2": (P(D.WorkerStateMap, 12), dict(batch_size=3, worker_init_fn=D.mark_init_fn, **W2)),
+    "init-mark-w2": (
+        P(D.WorkerStateMap, 12),
+        dict(batch_size=3, worker_init_fn=D.mark_init_fn, **W2),
+    ),
     "init-mark-w0": (P(D.WorkerStateMap, 12), dict(batch_size=3, worker_init_fn=D.mark_init_fn)),
     "init-reseed-w2": (
-        P(D.RNGMap, 12), dict(batch_size=3, worker_init_fn=D.reseed_init_fn, shuffle=True, **W2)),
+        P(D.RNGMap, 12),
+        dict(batch_size=3, worker_init_fn=D.reseed_init_fn, shuffle=True, **W2),
+    ),
     # prefetch_factor
     "prefetch1-w2": (P(D.RNGMap, 16), dict(batch_size=2, prefetch_factor=1, **W2)),
     "prefetch3-w2": (P(D.RNGMap, 16), dict(batch_size=2, prefetch_factor=3, **W2)),
     "prefetch1-w1": (P(D.IndexMap, 9), dict(batch_size=2, prefetch_factor=1, num_workers=1)),
     # persistent_workers over several epochs (worker RNG streams continue across epochs)
     "persistent-rng-3ep": (
-        P(D.RNGMap, 12), dict(batch_size=3, shuffle=True, persistent_workers=True, epochs=3, **W2)),
+        P(D.RNGMap, 12),
+        dict(batch_size=3, shuffle=True, persistent_workers=True, epochs=3, **W2),
+    ),
     "nonpersistent-rng-3ep": (
-        P(D.RNGMap, 12), dict(batch_size=3, shuffle=True, persistent_workers=False, epochs=3, **W2)),
+        P(D.RNGMap, 12),
+        dict(batch_size=3, shuffle=True, persistent_workers=False, epochs=3, **W2),
+    ),
     "persistent-generator-2ep": (
         P(D.RNGMap, 12),
-        dict(batch_size=4, shuffle=True, generator=gen(9), persistent_workers=True, epochs=2, **W2)),
+        dict(batch_size=4, shuffle=True, generator=gen(9), persistent_workers=True, epochs=2, **W2),
+    ),
     "persistent-init-mark-2ep": (
         P(D.WorkerStateMap, 8),
-        dict(batch_size=3, worker_init_fn=D.mark_init_fn, persistent_workers=True, epochs=2, **W2)),
+        dict(batch_size=3, worker_init_fn=D.mark_init_fn, persistent_workers=True, epochs=2, **W2),
+    ),
     "persistent-iterable-rng-3ep": (
-        P(D.RNGIterable, 9), dict(batch_size=2, persistent_workers=True, epochs=3, **W2)),
+        P(D.RNGIterable, 9),
+        dict(batch_size=2, persistent_workers=True, epochs=3, **W2),
+    ),
     "persistent-rich-prefetch1-2ep": (
-        P(D.RichMap, 6), dict(batch_size=2, persistent_workers=True, prefetch_factor=1, epochs=2, **W2)),
+        P(D.RichMap, 6),
+        dict(batch_size=2, persistent_workers=True, prefetch_factor=1, epochs=2, **W2),
+    ),
     # timeout that never fires does not change anything (generous: it bounds each wait)
     "timeout-generous-w2": (P(D.RNGMap, 8), dict(batch_size=2, timeout=120.0, **W2)),
     # pin_memory on a CPU-only machine: same warning, same data
     "pin-memory-w2": (P(D.RichMap, 6), dict(batch_size=3, pin_memory=True, epochs=2, **W2)),
     "pin-memory-w0": (P(D.RichMap, 4), dict(batch_size=2, pin_memory=True)),
     "pin-memory-persistent-2ep": (
-        P(D.IndexMap, 6), dict(batch_size=2, pin_memory=True, persistent_workers=True, epochs=2, **W2)),
+        P(D.IndexMap, 6),
+        dict(batch_size=2, pin_memory=True, persistent_workers=True, epochs=2, **W2),
+    ),
     # iterable-style datasets: sharding via get_worker_info(), uneven shards, drop_last per worker
     "iter-bs3-w2": (P(D.ShardedIterable, 11), dict(batch_size=3, **W2)),
     "iter-bs3-droplast-w2": (P(D.ShardedIterable, 11), dict(batch_size=3, drop_last=True, **W2)),
@@ -282,13 +354,25 @@ SCENARIOS = {
     "iter-len-droplast-w2": (P(D.LenIterable, 11), dict(batch_size=3, drop_last=True, **W2)),
     "iter-len-lying-w2": (P(D.LyingLenIterable, 10), dict(batch_size=2, **W2)),
     "iter-len-lying-w0": (P(D.LyingLenIterable, 10), dict(batch_size=2)),
-    "iter-shard-init-fn-w2": (P(D.RangeIterable, 3, 20), dict(batch_size=4, worker_init_fn=D.shard_init_fn, **W2)),
-    "iter-shard-init-fn-w3": (P(D.RangeIterable, 3, 20), dict(batch_size=4, worker_init_fn=D.shard_init_fn, num_workers=3)),
-    "iter-collate-identity-w2": (P(D.ShardedIterable, 9), dict(batch_size=2, collate_fn=D.identity_collate, **W2)),
+    "iter-shard-init-fn-w2": (
+        P(D.RangeIterable, 3, 20),
+        dict(batch_size=4, worker_init_fn=D.shard_init_fn, **W2),
+    ),
+    "iter-shard-init-fn-w3": (
+        P(D.RangeIterable, 3, 20),
+        dict(batch_size=4, worker_init_fn=D.shard_init_fn, num_workers=3),
+    ),
+    "iter-collate-identity-w2": (
+        P(D.ShardedIterable, 9),
+        dict(batch_size=2, collate_fn=D.identity_collate, **W2),
+    ),
     "iter-prefetch3-w2": (P(D.ShardedIterable, 15), dict(batch_size=2, prefetch_factor=3, **W2)),
     # in_order=False with a single worker: order is still identical
     "unordered-w1-map": (P(D.JitterMap, 17), dict(batch_size=2, in_order=False, num_workers=1)),
-    "unordered-w1-iter": (P(D.ShardedIterable, 9), dict(batch_size=2, in_order=False, num_workers=1)),
+    "unordered-w1-iter": (
+        P(D.ShardedIterable, 9),
+        dict(batch_size=2, in_order=False, num_workers=1),
+    ),
     "unordered-w0": (P(D.IndexMap, 9), dict(batch_size=2, in_order=False)),
 }
 
@@ -308,16 +392,21 @@ def test_same_output(name):
         pytest.param(P(D.JitterMap, 24), dict(batch_size=2), id="map"),
         # (no RNG-drawing dataset here: with in_order=False torch itself assigns batches to the
         # least-busy worker, so which worker's RNG a sample draws from depends on timing)
-        pytest.param(P(D.IndexMap, 12), dict(batch_size=2, shuffle=True, generator=gen(3), epochs=2),
-                     id="shuffle"),
+        pytest.param(
+            P(D.IndexMap, 12),
+            dict(batch_size=2, shuffle=True, generator=gen(3), epochs=2),
+            id="shuffle",
+        ),
         pytest.param(P(D.ShardedIterable, 13), dict(batch_size=2), id="iterable"),
-        pytest.param(P(D.JitterMap, 16), dict(batch_size=2, persistent_workers=True, epochs=2),
-                     id="persistent"),
+        pytest.param(
+            P(D.JitterMap, 16),
+            dict(batch_size=2, persistent_workers=True, epochs=2),
+            id="persistent",
+        ),
     ],
 )
 def test_in_order_false_same_multiset(make_dataset, kw):
     check(make_dataset, ordered=False, in_order=False, num_workers=2, **kw)
-
 
 
 @pytest.mark.slow
@@ -327,8 +416,13 @@ def test_in_order_false_yields_each_workers_batches_in_its_order(batch_size):
     in_order=False; a stateful IterableDataset's resume relies on it. Here worker 0's first
     batches take the pipe (no ring yet) while worker 1's later ones take slots."""
     for _ in range(3):
-        loader = ShmDataLoader(D.ShardedIterable(40), batch_size=batch_size, num_workers=2,
-                               in_order=False, worker_init_fn=D.late_worker_0_init_fn)
+        loader = ShmDataLoader(
+            D.ShardedIterable(40),
+            batch_size=batch_size,
+            num_workers=2,
+            in_order=False,
+            worker_init_fn=D.late_worker_0_init_fn,
+        )
         seen = collections.defaultdict(list)  # worker -> its items, as yielded
         for batch in loader:
             items = batch["i"].tolist() if batch_size else [int(batch["i"])]
@@ -336,13 +430,21 @@ def test_in_order_false_yields_each_workers_batches_in_its_order(batch_size):
         assert dict(seen) == {w: sorted(seen[w]) for w in seen}
         assert sorted(seen[0] + seen[1]) == list(range(40))
 
+
 # --------------------------------------------------------------------------- start methods
 MP_SCENARIOS = {
     # seeds, get_worker_info(), worker_init_fn, generator, persistent workers
     "rng-init-persistent": (
         P(D.RNGMap, 8),
-        dict(batch_size=2, shuffle=True, generator=gen(13), worker_init_fn=D.reseed_init_fn,
-             persistent_workers=True, epochs=2)),
+        dict(
+            batch_size=2,
+            shuffle=True,
+            generator=gen(13),
+            worker_init_fn=D.reseed_init_fn,
+            persistent_workers=True,
+            epochs=2,
+        ),
+    ),
     # iterable sharding + many leaf kinds
     "iter-rich": (P(D.RichIterable, 6), dict(batch_size=2)),
 }
@@ -359,8 +461,13 @@ def test_start_methods(method, name):
 @pytest.mark.slow
 def test_start_method_context_object():
     ctx = multiprocessing.get_context("spawn")
-    check(P(D.WorkerStateMap, 6), batch_size=2, num_workers=2, multiprocessing_context=ctx,
-          worker_init_fn=D.mark_init_fn)
+    check(
+        P(D.WorkerStateMap, 6),
+        batch_size=2,
+        num_workers=2,
+        multiprocessing_context=ctx,
+        worker_init_fn=D.mark_init_fn,
+    )
 
 
 # --------------------------------------------------------------------------- batches as objects
@@ -397,10 +504,13 @@ def test_batches_serialize_like_torch(name, how):
             s_bytes, _ = _serialize(sb, how)
         except Exception as e:  # noqa: BLE001
             forget(e)
-            pytest.fail(f"batch {k}: {how} raised {type(e).__name__}: {e} (torch's batch serializes)")
+            pytest.fail(
+                f"batch {k}: {how} raised {type(e).__name__}: {e} (torch's batch serializes)"
+            )
         D.assert_same(load(t_bytes), load(s_bytes), f"batch{k} after {how}")
         assert len(s_bytes) <= 2 * len(t_bytes) + 1024, (
-            f"batch {k}: {how} wrote {len(s_bytes)} bytes, torch's batch {len(t_bytes)}")
+            f"batch {k}: {how} wrote {len(s_bytes)} bytes, torch's batch {len(t_bytes)}"
+        )
 
 
 def _grow_in_place(cls):
@@ -419,7 +529,9 @@ def _grow_in_place(cls):
             forget(e)
         assert torch.equal(idx, before[k][0]), f"batch {k}: growing one leaf overwrote its sibling"
     for k, (idx, _) in enumerate(out):
-        assert torch.equal(idx, before[k][0]), f"batch {k}: changed by an in-place op on another batch"
+        assert torch.equal(idx, before[k][0]), (
+            f"batch {k}: changed by an in-place op on another batch"
+        )
     return events
 
 
@@ -478,10 +590,12 @@ def test_worker_info_and_seed_fields():
 def test_partial_epoch_then_full_epoch(persistent, slot_bytes):
     """After a break, the next epochs draw what torch's do: persistent workers compute the
     tasks still queued from the broken epoch (their RNG draws count), as torch's do."""
+
     def go(cls):
         seed_all(SEED)
-        loader = cls(D.RNGMap(24), batch_size=2, shuffle=True, num_workers=2,
-                     persistent_workers=persistent)
+        loader = cls(
+            D.RNGMap(24), batch_size=2, shuffle=True, num_workers=2, persistent_workers=persistent
+        )
         it = iter(loader)
         first = [next(it), next(it)]
         del it
@@ -503,8 +617,13 @@ def test_prefetch_bound(prefetch_factor, persistent):
 
     def go(cls):
         sampler = D.CountingBatchSampler(n, bs)
-        loader = cls(D.IndexMap(n), batch_sampler=sampler, num_workers=nw,
-                     prefetch_factor=prefetch_factor, persistent_workers=persistent)
+        loader = cls(
+            D.IndexMap(n),
+            batch_sampler=sampler,
+            num_workers=nw,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent,
+        )
         trace, batches = [], []
         for _ in range(2):
             start = sampler.pulled
@@ -519,7 +638,8 @@ def test_prefetch_bound(prefetch_factor, persistent):
     assert max(t_trace) <= bound  # sanity: torch obeys the bound it defines
     assert max(s_trace) <= bound, (
         f"shm had up to {max(s_trace)} batches outstanding (bound {bound}); "
-        f"per-step outstanding shm={s_trace} torch={t_trace}")
+        f"per-step outstanding shm={s_trace} torch={t_trace}"
+    )
 
 
 @pytest.mark.parametrize("slot_bytes", [4096, None], ids=["ring", "sized-later"])
@@ -581,11 +701,18 @@ def _run_failing(cls, *, num_workers, persistent, exc, mode, context=None):
 @pytest.mark.parametrize("exc", ["ValueError", "KeyError", "TwoArgError"])
 @pytest.mark.parametrize("mode", ["abandon", "continue"])
 @pytest.mark.parametrize(
-    "num_workers, persistent", [(0, False), (2, False), (2, True)], ids=["w0", "w2", "w2-persistent"])
+    "num_workers, persistent",
+    [(0, False), (2, False), (2, True)],
+    ids=["w0", "w2", "w2-persistent"],
+)
 @pytest.mark.slow
 def test_worker_exception(exc, mode, num_workers, persistent):
-    t = _run_failing(TorchDataLoader, num_workers=num_workers, persistent=persistent, exc=exc, mode=mode)
-    s = _run_failing(ShmDataLoader, num_workers=num_workers, persistent=persistent, exc=exc, mode=mode)
+    t = _run_failing(
+        TorchDataLoader, num_workers=num_workers, persistent=persistent, exc=exc, mode=mode
+    )
+    s = _run_failing(
+        ShmDataLoader, num_workers=num_workers, persistent=persistent, exc=exc, mode=mode
+    )
     assert any(ev[0] == "exc" for ev in t)
     D.assert_same(t, s, "events")
 
@@ -619,9 +746,14 @@ def _run_until_error(cls, make_dataset, **kw):
     [
         pytest.param(P(D.NoneMap, 10), dict(batch_size=2, num_workers=2), id="collate-error-w2"),
         pytest.param(P(D.NoneMap, 10), dict(batch_size=2), id="collate-error-w0"),
-        pytest.param(P(D.FailingIterable, 12), dict(batch_size=None, num_workers=2), id="iterable-w2"),
-        pytest.param(P(D.IndexMap, 8), dict(batch_size=2, num_workers=2,
-                                            worker_init_fn=D.failing_init_fn), id="init-fn-w2"),
+        pytest.param(
+            P(D.FailingIterable, 12), dict(batch_size=None, num_workers=2), id="iterable-w2"
+        ),
+        pytest.param(
+            P(D.IndexMap, 8),
+            dict(batch_size=2, num_workers=2, worker_init_fn=D.failing_init_fn),
+            id="init-fn-w2",
+        ),
     ],
 )
 def test_error_surfaces_like_torch(make_dataset, kw):
@@ -635,6 +767,7 @@ def test_pin_memory_device_like_torch():
     """pin_memory_device="cpu": later torch ignores it (deprecated) and pins nothing without
     an accelerator; torch 2.6 takes it as the device to pin for and, without CUDA, fails as
     its iterator starts.  shmloader does what the installed torch does."""
+
     def run(cls):
         seed_all(SEED)
         loader = cls(D.IndexMap(6), batch_size=2, pin_memory=True, pin_memory_device="cpu", **W2)
@@ -672,8 +805,8 @@ def test_timeout_raises_like_torch():
     s = _run_timeout(ShmDataLoader)
     assert t[-1] == s[-1] == (RuntimeError, "DataLoader timed out after 1.0 seconds")
     before = [torch.tensor([[0], [1]]), torch.tensor([[2], [3]])]
-    D.assert_same(before[:len(t) - 1], t[:-1], "torch's batches before the timeout")
-    D.assert_same(before[:len(s) - 1], s[:-1], "shm's batches before the timeout")
+    D.assert_same(before[: len(t) - 1], t[:-1], "torch's batches before the timeout")
+    D.assert_same(before[: len(s) - 1], s[:-1], "shm's batches before the timeout")
 
 
 @pytest.mark.parametrize("timeout", [3e6, float("inf")], ids=["a-month", "inf"])
@@ -682,8 +815,9 @@ def test_a_timeout_beyond_pollings_milliseconds_is_taken(timeout, fetch):
     """poll() counts milliseconds in a C int (24.8 days): torch's loader raises OverflowError
     from its queue for a longer timeout; shmloader waits in parts, before the ring exists
     (the first batches) and after."""
-    loader = ShmDataLoader(D.IndexMap(40), batch_size=4, num_workers=2, timeout=timeout,
-                           fetch=fetch)
+    loader = ShmDataLoader(
+        D.IndexMap(40), batch_size=4, num_workers=2, timeout=timeout, fetch=fetch
+    )
     D.assert_same(list(loader), list(TorchDataLoader(D.IndexMap(40), batch_size=4)), "batches")
 
 
@@ -709,11 +843,19 @@ def test_is_a_torch_dataloader():
 def test_signature_matches_torch():
     tp = inspect.signature(TorchDataLoader.__init__).parameters
     sp = dict(inspect.signature(ShmDataLoader.__init__).parameters)
-    defaults = dict(slot_bytes=None, num_slots=None, fetch="batch", assignment=None,
-                    seed_per_sample=False, prefetch_next_epoch=False, device=None)
+    defaults = dict(
+        slot_bytes=None,
+        num_slots=None,
+        fetch="batch",
+        assignment=None,
+        seed_per_sample=False,
+        prefetch_next_epoch=False,
+        device=None,
+    )
     extra = {k: sp.pop(k) for k in defaults}
-    assert [(p.name, p.kind, p.default) for p in tp.values()] == \
-           [(p.name, p.kind, p.default) for p in sp.values()]
+    assert [(p.name, p.kind, p.default) for p in tp.values()] == [
+        (p.name, p.kind, p.default) for p in sp.values()
+    ]
     for name, p in extra.items():
         assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default == defaults[name]
 
@@ -731,10 +873,22 @@ INVALID = {
     "iterable-sampler": (P(D.ShardedIterable, 5), dict(sampler=_SAMPLER)),
     "iterable-batch-sampler": (P(D.ShardedIterable, 5), dict(batch_sampler=_BATCH_SAMPLER)),
     "sampler-and-shuffle": (P(D.IndexMap, 5), dict(sampler=_SAMPLER, shuffle=True)),
-    "batch-sampler-and-batch-size": (P(D.IndexMap, 5), dict(batch_sampler=_BATCH_SAMPLER, batch_size=2)),
-    "batch-sampler-and-shuffle": (P(D.IndexMap, 5), dict(batch_sampler=_BATCH_SAMPLER, shuffle=True)),
-    "batch-sampler-and-sampler": (P(D.IndexMap, 5), dict(batch_sampler=_BATCH_SAMPLER, sampler=_SAMPLER)),
-    "batch-sampler-and-drop-last": (P(D.IndexMap, 5), dict(batch_sampler=_BATCH_SAMPLER, drop_last=True)),
+    "batch-sampler-and-batch-size": (
+        P(D.IndexMap, 5),
+        dict(batch_sampler=_BATCH_SAMPLER, batch_size=2),
+    ),
+    "batch-sampler-and-shuffle": (
+        P(D.IndexMap, 5),
+        dict(batch_sampler=_BATCH_SAMPLER, shuffle=True),
+    ),
+    "batch-sampler-and-sampler": (
+        P(D.IndexMap, 5),
+        dict(batch_sampler=_BATCH_SAMPLER, sampler=_SAMPLER),
+    ),
+    "batch-sampler-and-drop-last": (
+        P(D.IndexMap, 5),
+        dict(batch_sampler=_BATCH_SAMPLER, drop_last=True),
+    ),
     "batch-size-none-drop-last": (P(D.IndexMap, 5), dict(batch_size=None, drop_last=True)),
     "batch-size-zero": (P(D.IndexMap, 5), dict(batch_size=0)),
     "batch-size-negative": (P(D.IndexMap, 5), dict(batch_size=-3)),
@@ -744,8 +898,10 @@ INVALID = {
     "mp-context-wrong-type": (P(D.IndexMap, 5), dict(num_workers=2, multiprocessing_context=42)),
     "mp-context-without-workers": (P(D.IndexMap, 5), dict(multiprocessing_context="fork")),
     "shuffle-empty-dataset": (P(D.IndexMap, 0), dict(shuffle=True)),
-    "iterable-batch-size-none-drop-last": (P(D.RangeIterable, 0, 3),
-                                           dict(batch_size=None, drop_last=True)),
+    "iterable-batch-size-none-drop-last": (
+        P(D.RangeIterable, 0, 3),
+        dict(batch_size=None, drop_last=True),
+    ),
 }
 
 
@@ -761,8 +917,9 @@ def test_invalid_arguments_raise_like_torch(name):
     assert results[0] == results[1], f"torch raised {results[0]}, shm raised {results[1]}"
 
 
-@pytest.mark.parametrize("attr", ["batch_size", "sampler", "batch_sampler", "drop_last", "dataset",
-                                  "persistent_workers"])
+@pytest.mark.parametrize(
+    "attr", ["batch_size", "sampler", "batch_sampler", "drop_last", "dataset", "persistent_workers"]
+)
 def test_setting_frozen_attribute_raises_like_torch(attr):
     results = []
     for cls in (TorchDataLoader, ShmDataLoader):
@@ -823,6 +980,7 @@ def test_loader_copied_after_an_epoch_like_torch(how, persistent):
 def test_shallow_copy_of_a_loader_iterates_and_resumes_apart():
     """copy.copy(loader) before iterating gives two loaders whose progress is their own (as
     torch's): each one's state_dict() resumes where that one stands."""
+
     def make():
         return ShmDataLoader(D.TensorMap(40), batch_size=4, num_workers=2)
 
@@ -834,9 +992,11 @@ def test_shallow_copy_of_a_loader_iterates_and_resumes_apart():
     assert (a.stats().batches, b.stats().batches) == (2, 5)
     resumed = make()
     resumed.load_state_dict(a.state_dict())
-    D.assert_same(list(TorchDataLoader(D.TensorMap(40), batch_size=4))[2:], list(resumed),
-                  "resumed after 2 batches")
-
+    D.assert_same(
+        list(TorchDataLoader(D.TensorMap(40), batch_size=4))[2:],
+        list(resumed),
+        "resumed after 2 batches",
+    )
 
 
 def test_shallow_copy_of_a_persistent_loader_counts_and_resumes_its_own_epochs():
@@ -853,24 +1013,41 @@ def test_shallow_copy_of_a_persistent_loader_counts_and_resumes_its_own_epochs()
     # Compared at a quiet point: the workers still prefetch the copy's next batches (the
     # window of prefetch_factor * num_workers = 4 beyond the 3 taken: 7 of this epoch's
     # 10, 28 samples, beside the first epoch's 40) while the counters are read.
-    wait_until(lambda: sum(w.samples for w in b.stats().workers) == 40 + 28, 120,
-               "the copy's prefetch window filled")
+    wait_until(
+        lambda: sum(w.samples for w in b.stats().workers) == 40 + 28,
+        120,
+        "the copy's prefetch window filled",
+    )
     assert a.stats().workers == b.stats().workers
     resumed = ShmDataLoader(D.TensorMap(40), batch_size=4, num_workers=2)
     resumed.load_state_dict(b.state_dict())
-    D.assert_same(list(TorchDataLoader(D.TensorMap(40), batch_size=4))[3:], list(resumed),
-                  "resumed after the copy's 3 batches")
+    D.assert_same(
+        list(TorchDataLoader(D.TensorMap(40), batch_size=4))[3:],
+        list(resumed),
+        "resumed after the copy's 3 batches",
+    )
 
 
 ATTR_CASES = {
     "default": (P(D.IndexMap, 5), {}),
     "workers": (P(D.IndexMap, 5), dict(num_workers=2, batch_size=3, drop_last=True)),
-    "shuffle": (P(D.IndexMap, 5), dict(shuffle=True, num_workers=2, prefetch_factor=4,
-                                       persistent_workers=True, timeout=2.5, in_order=False)),
+    "shuffle": (
+        P(D.IndexMap, 5),
+        dict(
+            shuffle=True,
+            num_workers=2,
+            prefetch_factor=4,
+            persistent_workers=True,
+            timeout=2.5,
+            in_order=False,
+        ),
+    ),
     "nobatch": (P(D.IndexMap, 5), dict(batch_size=None, pin_memory=True, pin_memory_device="cpu")),
     "batch-sampler": (P(D.IndexMap, 5), dict(batch_sampler=_BATCH_SAMPLER)),
-    "iterable": (P(D.ShardedIterable, 5), dict(batch_size=2, num_workers=1,
-                                               worker_init_fn=D.mark_init_fn)),
+    "iterable": (
+        P(D.ShardedIterable, 5),
+        dict(batch_size=2, num_workers=1, worker_init_fn=D.mark_init_fn),
+    ),
     "iterable-nobatch": (P(D.ShardedIterable, 5), dict(batch_size=None)),
     "mp-context": (P(D.IndexMap, 5), dict(num_workers=2, multiprocessing_context="spawn")),
 }
@@ -880,6 +1057,7 @@ def test_leaves_arrive_as_torchs_transport_delivers_them():
     """batch_size=None: a loader's first batches travel by torch's transport, later ones
     through the ring; both must deliver what torch's does (raw values of lazy views, empty
     tensors with their strides)."""
+
     def batches(cls):
         return list(cls(D.LazyBitsMap(), batch_size=None, num_workers=2))
 
@@ -888,8 +1066,11 @@ def test_leaves_arrive_as_torchs_transport_delivers_them():
     for b, (e, g) in enumerate(zip(expected, got)):
         D.assert_same(e, g, f"batch {b}")
         for key in e:
-            assert (g[key].is_neg(), g[key].is_conj(), g[key].stride()) == \
-                (e[key].is_neg(), e[key].is_conj(), e[key].stride()), f"batch {b} {key}"
+            assert (g[key].is_neg(), g[key].is_conj(), g[key].stride()) == (
+                e[key].is_neg(),
+                e[key].is_conj(),
+                e[key].stride(),
+            ), f"batch {b} {key}"
 
 
 @pytest.mark.slow
@@ -898,10 +1079,16 @@ def test_sampler_changing_the_dataset_when_it_starts(context):
     """A sampler whose iteration sets the dataset's epoch (curriculum style): workers are
     started before the first draw, so each epoch's workers see the epoch before it, as
     torch's do."""
+
     def epochs(cls):
         dataset = D.EpochTagged()
-        loader = cls(dataset, batch_size=4, sampler=D.TaggingSampler(dataset), num_workers=2,
-                     multiprocessing_context=context)
+        loader = cls(
+            dataset,
+            batch_size=4,
+            sampler=D.TaggingSampler(dataset),
+            num_workers=2,
+            multiprocessing_context=context,
+        )
         return [list(loader) for _ in range(2)]
 
     D.assert_same(epochs(TorchDataLoader), epochs(ShmDataLoader), "epochs")
@@ -912,6 +1099,7 @@ def test_dataset_sharing_the_samplers_generator(where):
     """A dataset holding the sampler's generator finds it, in every worker, as torch's
     workers do: as it was before the epoch's first draw (all workers are started before any
     task is drawn)."""
+
     def make(cls):
         generator = torch.Generator().manual_seed(5)
         dataset = D.GeneratorMap(24, generator)
@@ -944,8 +1132,7 @@ class _TorchIterLoader(ShmDataLoader):
 
 
 def test_subclass_returning_torchs_iterator_runs_epochs_like_torch():
-    loader = _TorchIterLoader(list(range(6)), batch_size=2, num_workers=2,
-                              persistent_workers=True)
+    loader = _TorchIterLoader(list(range(6)), batch_size=2, num_workers=2, persistent_workers=True)
     assert [[b.tolist() for b in loader] for _ in range(2)] == [[[0, 1], [2, 3], [4, 5]]] * 2
 
 
@@ -958,9 +1145,19 @@ def test_public_attributes_match(name):
     s = ShmDataLoader(dataset, generator=generator, **kw)
     for attr in ["dataset", "generator", "worker_init_fn", "collate_fn"]:
         assert getattr(t, attr) is getattr(s, attr), attr
-    for attr in ["batch_size", "drop_last", "num_workers", "prefetch_factor", "pin_memory",
-                 "pin_memory_device", "timeout", "in_order", "persistent_workers",
-                 "_auto_collation", "_dataset_kind"]:
+    for attr in [
+        "batch_size",
+        "drop_last",
+        "num_workers",
+        "prefetch_factor",
+        "pin_memory",
+        "pin_memory_device",
+        "timeout",
+        "in_order",
+        "persistent_workers",
+        "_auto_collation",
+        "_dataset_kind",
+    ]:
         assert getattr(t, attr) == getattr(s, attr), attr
     assert type(t.sampler) is type(s.sampler)
     assert type(t.batch_sampler) is type(s.batch_sampler)
@@ -984,16 +1181,19 @@ def _failures(cls, dataset, steps, **kw):
     return out
 
 
-@pytest.mark.parametrize("kw", [W2, dict(num_workers=0), dict(fetch="sample", **W2)],
-                         ids=["w2", "w0", "sample-w2"])
+@pytest.mark.parametrize(
+    "kw", [W2, dict(num_workers=0), dict(fetch="sample", **W2)], ids=["w2", "w0", "sample-w2"]
+)
 def test_a_batch_sampler_of_ints_fails_in_each_next_like_torch(kw):
     """A sampler passed as batch_sampler gives ints for batches: torch's iter() takes them,
     and each next() raises its fetcher's TypeError (from the worker, where there is one)."""
-    expected = _failures(TorchDataLoader, D.IndexMap(12), 4, batch_sampler=[3, 1, 4],
-                         num_workers=kw["num_workers"])
+    expected = _failures(
+        TorchDataLoader, D.IndexMap(12), 4, batch_sampler=[3, 1, 4], num_workers=kw["num_workers"]
+    )
     assert [kind for kind, _ in expected] == [TypeError] * 3
-    D.assert_same(expected, _failures(ShmDataLoader, D.IndexMap(12), 4, batch_sampler=[3, 1, 4],
-                                      **kw))
+    D.assert_same(
+        expected, _failures(ShmDataLoader, D.IndexMap(12), 4, batch_sampler=[3, 1, 4], **kw)
+    )
 
 
 def test_a_sample_that_is_no_tensor_fails_its_batch_as_torchs_collate_does():
@@ -1017,13 +1217,15 @@ def test_too_many_workers_warns_like_torch():
     assert t == go(ShmDataLoader)
 
 
-@pytest.mark.parametrize("case", ["too-many-workers", "pin-memory", "longer-than-len",
-                                  "unpicklable-under-spawn"])
+@pytest.mark.parametrize(
+    "case", ["too-many-workers", "pin-memory", "longer-than-len", "unpicklable-under-spawn"]
+)
 @pytest.mark.parametrize("module_filter", [False, True])
 def test_torchs_warnings_are_attributed_as_torchs(case, module_filter):
     """torch's loader warnings raised through shmloader name torch's loader module, file
     and line where torch's do (a filter by module hides both alike), and the user's line
     where torch's do (an IterableDataset longer than its len())."""
+
     def go(cls):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -1035,8 +1237,14 @@ def test_torchs_warnings_are_attributed_as_torchs(case, module_filter):
                 list(cls(D.IndexMap(4), num_workers=1, pin_memory=True))
             elif case == "unpicklable-under-spawn":  # its error is shmloader's (see test_lifecycle)
                 with pytest.raises(AttributeError, match="Can't pickle local object"):
-                    iter(cls(D.IndexMap(4), num_workers=1, multiprocessing_context="spawn",
-                             worker_init_fn=lambda worker_id: None))
+                    iter(
+                        cls(
+                            D.IndexMap(4),
+                            num_workers=1,
+                            multiprocessing_context="spawn",
+                            worker_init_fn=lambda worker_id: None,
+                        )
+                    )
             else:
                 loader = cls(dataset, num_workers=1, batch_size=None)
                 len(loader)
@@ -1055,7 +1263,9 @@ def _torch_gives_no_warning(case):
     accelerator nor of a pickle error as a worker starts."""
     init = torch.utils.data.dataloader._BaseDataLoaderIter.__init__
     if case == "pin-memory":
-        return torch.cuda.is_available() or _torch_api._constant(init, "'pin_memory' argument") is None
+        return (
+            torch.cuda.is_available() or _torch_api._constant(init, "'pin_memory' argument") is None
+        )
     return case == "unpicklable-under-spawn" and _torch_api.PICKLE_ERROR_WARNING is None
 
 
@@ -1094,20 +1304,30 @@ def test_len_and_single_process_output(n, batch_size, drop_last, shuffle, iterab
 def test_multiprocess_grid(n, batch_size, drop_last, num_workers, iterable):
     assume(iterable or n > 0)  # shuffle=True: RandomSampler rejects n=0 (see INVALID)
     make = P(D.LenIterable, n) if iterable else P(D.RNGMap, n)
-    check(make, batch_size=batch_size, drop_last=drop_last, num_workers=num_workers,
-          shuffle=not iterable)
+    check(
+        make,
+        batch_size=batch_size,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        shuffle=not iterable,
+    )
 
 
 # slot_bytes given: the ring exists from the first batch on.
-@pytest.mark.parametrize("shm_kw", [dict(slot_bytes=1 << 16), dict(slot_bytes=256)],
-                         ids=["ring", "spilled"])
+@pytest.mark.parametrize(
+    "shm_kw", [dict(slot_bytes=1 << 16), dict(slot_bytes=256)], ids=["ring", "spilled"]
+)
 def test_sharing_within_a_batch_like_torch(shm_kw):
     """A leaf met twice is one object, and views of one tensor share its memory (in-place
     writes reach each other), through the ring as through torch's transport."""
-    t = run(TorchDataLoader, P(D.IndexMap, 12), batch_size=3, collate_fn=D.aliasing_collate,
-            **W2)
-    s = run(P(ShmDataLoader, **shm_kw), P(D.IndexMap, 12), batch_size=3,
-            collate_fn=D.aliasing_collate, **W2)
+    t = run(TorchDataLoader, P(D.IndexMap, 12), batch_size=3, collate_fn=D.aliasing_collate, **W2)
+    s = run(
+        P(ShmDataLoader, **shm_kw),
+        P(D.IndexMap, 12),
+        batch_size=3,
+        collate_fn=D.aliasing_collate,
+        **W2,
+    )
     assert_results_same(t, s)
     for b, (x, y) in enumerate(zip(t.epochs[0], s.epochs[0], strict=True)):
         assert D.sharing(x) == D.sharing(y), f"batch {b}"
@@ -1120,27 +1340,39 @@ def test_custom_collates_batch_is_pickled_once_like_torch(slot_bytes):
     side effect has it once per batch.  (With slot_bytes=None the batches that size the
     ring, the first prefetch_factor * num_workers + 1, are measured by a pickling of their
     own first: documented in the README's limits.)"""
+
     def counts(cls, **kw):
-        loader = cls(D.IndexMap(30), batch_size=3, collate_fn=D.reduction_counting_collate,
-                     num_workers=1, **kw)
+        loader = cls(
+            D.IndexMap(30),
+            batch_size=3,
+            collate_fn=D.reduction_counting_collate,
+            num_workers=1,
+            **kw,
+        )
         return [counter.count for _, counter in loader]
 
     expected = counts(TorchDataLoader)
     assert expected == list(range(1, 11))
     got = counts(ShmDataLoader, slot_bytes=slot_bytes)
     measured = 0 if slot_bytes else 3  # prefetch_factor 2 * 1 worker + 1
-    assert got == [2 * i for i in range(1, measured + 1)] + list(range(2 * measured + 1, 10 + measured + 1))
+    assert got == [2 * i for i in range(1, measured + 1)] + list(
+        range(2 * measured + 1, 10 + measured + 1)
+    )
 
 
 @pytest.mark.parametrize("slot_bytes", [1 << 16, None], ids=["ring", "sized-later"])
 def test_repeated_objects_arrive_as_one_object_like_torch(slot_bytes):
     """An object at several places in a batch arrives as one object at all of them, slot
     leaves and pickled objects alike, as torch's pickling keeps them."""
+
     def identities(batch):
-        return [batch["cls"][0] is batch["cls"][1] is batch["name"],
-                batch["jpg"][0] is batch["jpg"][1], batch["ids"] is batch["again"],
-                batch["x"] is batch["xs"][0] is batch["xs"][1],
-                batch["array"] is batch["arrays"][0] is batch["arrays"][1]]
+        return [
+            batch["cls"][0] is batch["cls"][1] is batch["name"],
+            batch["jpg"][0] is batch["jpg"][1],
+            batch["ids"] is batch["again"],
+            batch["x"] is batch["xs"][0] is batch["xs"][1],
+            batch["array"] is batch["arrays"][0] is batch["arrays"][1],
+        ]
 
     kw = dict(batch_size=3, collate_fn=D.repeated_objects_collate, **W2)
     expected = list(TorchDataLoader(D.IndexMap(24), **kw))
@@ -1153,10 +1385,12 @@ def test_repeated_objects_arrive_as_one_object_like_torch(slot_bytes):
 def test_two_storages_over_one_memory_arrive_apart_like_torch():
     """torch.from_numpy twice over one array makes two storages: torch moves each on its
     own, so a write into one batch field leaves the other as it was."""
+
     def after_zeroing_img(cls, **kw):
         out = []
-        for batch in cls(D.IndexMap(12), batch_size=3, collate_fn=D.twin_storages_collate,
-                         **W2, **kw):
+        for batch in cls(
+            D.IndexMap(12), batch_size=3, collate_fn=D.twin_storages_collate, **W2, **kw
+        ):
             batch["img"].zero_()
             out.append(batch["orig"].clone())
         return out
@@ -1173,24 +1407,43 @@ def _numpy_collate(samples):
     values = np.stack([v.numpy() for _, v in samples])
     records = np.zeros(len(samples), dtype=[("id", "<i4"), ("flux", ">f8")])
     records["id"], records["flux"] = ids, ids / 3
-    return (ids, np.asfortranarray(values), np.repeat(values, 60, axis=1),
-            np.repeat(values, 2000, axis=1), ids.astype(">i4"), np.zeros((0, 3)),
-            records, np.repeat(records, 2000))
+    return (
+        ids,
+        np.asfortranarray(values),
+        np.repeat(values, 60, axis=1),
+        np.repeat(values, 2000, axis=1),
+        ids.astype(">i4"),
+        np.zeros((0, 3)),
+        records,
+        np.repeat(records, 2000),
+    )
 
 
 def test_numpy_leaves_arrive_as_numpys_unpickling_makes_them_like_torch():
     """Small arrays own their data (resize works) up to numpy's 1000 bytes, larger ones do
     not; big-endian ones arrive in native order, but a structured one keeps its fields'
     byte orders; bytes and strides as torch's."""
+
     def described(cls, **kw):
         loader = cls(D.IndexMap(12), batch_size=3, collate_fn=_numpy_collate, **W2, **kw)
-        return [[(a.dtype.descr, a.shape, a.strides, a.flags.writeable, a.flags.f_contiguous,
-                  a.flags.owndata or a.size == 0, a.tobytes()) for a in batch]
-                for batch in loader]
+        return [
+            [
+                (
+                    a.dtype.descr,
+                    a.shape,
+                    a.strides,
+                    a.flags.writeable,
+                    a.flags.f_contiguous,
+                    a.flags.owndata or a.size == 0,
+                    a.tobytes(),
+                )
+                for a in batch
+            ]
+            for batch in loader
+        ]
 
     expected = described(TorchDataLoader)
-    assert [leaf[5] for leaf in expected[0]] == [True, True, False, False, True, True,
-                                                 True, False]
+    assert [leaf[5] for leaf in expected[0]] == [True, True, False, False, True, True, True, False]
     assert expected[0][4][0] == [("", "<i4")]
     assert expected[0][6][0] == [("id", "<i4"), ("flux", ">f8")]
     assert described(ShmDataLoader, slot_bytes=1 << 20) == expected
@@ -1203,11 +1456,13 @@ def test_numpy_leaves_arrive_as_numpys_unpickling_makes_them_like_torch():
 def test_explicit_default_collate_without_batching_like_torch(make):
     """batch_size=None with collate_fn=default_collate: torch calls it on each sample, which
     fails for these samples; the ring (there from the start) must not collate them instead."""
-    outcomes = [each_next(cls(make(), batch_size=None, collate_fn=tud.default_collate,
-                              num_workers=2))
-                for cls in (TorchDataLoader, P(ShmDataLoader, slot_bytes=1 << 16))]
-    assert any(type(o) is tuple and isinstance(o[0], type) for o in outcomes[0]), \
+    outcomes = [
+        each_next(cls(make(), batch_size=None, collate_fn=tud.default_collate, num_workers=2))
+        for cls in (TorchDataLoader, P(ShmDataLoader, slot_bytes=1 << 16))
+    ]
+    assert any(type(o) is tuple and isinstance(o[0], type) for o in outcomes[0]), (
         "torch's default_collate accepted every bare sample"
+    )
     D.assert_same(outcomes[0], outcomes[1], "outcomes")
 
 
@@ -1216,8 +1471,13 @@ def test_strides_of_tensors_spanning_their_storage_like_torch():
     expanded one stays unwritable in place, as torch's); a gappy part of a larger storage
     arrives dense, with the same values (documented: its storage is not copied whole)."""
     t = run(TorchDataLoader, P(D.IndexMap, 12), batch_size=3, collate_fn=D.strided_collate, **W2)
-    s = run(P(ShmDataLoader, slot_bytes=1 << 16), P(D.IndexMap, 12), batch_size=3,
-            collate_fn=D.strided_collate, **W2)
+    s = run(
+        P(ShmDataLoader, slot_bytes=1 << 16),
+        P(D.IndexMap, 12),
+        batch_size=3,
+        collate_fn=D.strided_collate,
+        **W2,
+    )
     assert_results_same(t, s)
     for b, (x, y) in enumerate(zip(t.epochs[0], s.epochs[0], strict=True)):
         for key in ("transposed", "expanded"):
@@ -1230,17 +1490,24 @@ def test_a_view_overlapping_itself_on_part_of_its_storage_keeps_its_strides():
     elements overlap, arrives with its strides, as torch's does: a dense copy would repeat
     its bytes (8 MB here for 4 KB, any size for a larger expand) and spill past the slot,
     and in-place writes would no longer reach the elements it shares."""
-    t = run(TorchDataLoader, P(D.IndexMap, 12), batch_size=3, collate_fn=D.overlapping_collate,
-            **W2)
-    s = run(P(ShmDataLoader, slot_bytes=1 << 16), P(D.IndexMap, 12), batch_size=3,
-            collate_fn=D.overlapping_collate, **W2)
+    t = run(
+        TorchDataLoader, P(D.IndexMap, 12), batch_size=3, collate_fn=D.overlapping_collate, **W2
+    )
+    s = run(
+        P(ShmDataLoader, slot_bytes=1 << 16),
+        P(D.IndexMap, 12),
+        batch_size=3,
+        collate_fn=D.overlapping_collate,
+        **W2,
+    )
     assert_results_same(t, s)
     for b, (x, y) in enumerate(zip(t.epochs[0], s.epochs[0], strict=True)):
         for key in x:
             assert x[key].stride() == y[key].stride(), f"batch {b} {key}"
             assert y[key].untyped_storage().nbytes() <= x[key].untyped_storage().nbytes()
-    loader = ShmDataLoader(D.IndexMap(12), batch_size=3, collate_fn=D.overlapping_collate,
-                           slot_bytes=1 << 16, **W2)
+    loader = ShmDataLoader(
+        D.IndexMap(12), batch_size=3, collate_fn=D.overlapping_collate, slot_bytes=1 << 16, **W2
+    )
     list(loader)
     assert loader.stats().spilled_batches == 0
 
@@ -1252,26 +1519,33 @@ def test_conjugate_or_negative_samples_fail_default_collate_as_torchs():
     expected = each_next(TorchDataLoader(D.LazyBitsMap(), batch_size=3, **W2))
     assert expected[0][0] is RuntimeError
     for kw in (dict(), dict(slot_bytes=1 << 16)):
-        D.assert_same(expected, each_next(ShmDataLoader(D.LazyBitsMap(), batch_size=3, **W2,
-                                                        **kw)))
+        D.assert_same(expected, each_next(ShmDataLoader(D.LazyBitsMap(), batch_size=3, **W2, **kw)))
 
 
-@pytest.mark.parametrize("slot_bytes", [None, 1 << 16], ids=["ring-sized-by-batches", "ring-at-start"])
+@pytest.mark.parametrize(
+    "slot_bytes", [None, 1 << 16], ids=["ring-sized-by-batches", "ring-at-start"]
+)
 def test_a_non_leaf_tensor_that_requires_grad_is_refused_as_torchs_pickling_refuses_it(slot_bytes):
     """torch's pickling refuses a batch tensor with a grad_fn (its feeder thread prints the
     error and the loader waits for its timeout). A slot must not deliver it as a leaf that
     has silently lost its graph: the worker's error is raised, naming detach()."""
-    loader = ShmDataLoader(D.IndexMap(12), batch_size=3, collate_fn=D.non_leaf_collate,
-                           slot_bytes=slot_bytes, timeout=60, **W2)
+    loader = ShmDataLoader(
+        D.IndexMap(12),
+        batch_size=3,
+        collate_fn=D.non_leaf_collate,
+        slot_bytes=slot_bytes,
+        timeout=60,
+        **W2,
+    )
     with pytest.raises(RuntimeError, match=r"non-leaf tensor which requires_grad.*detach\(\)"):
         next(iter(loader))
 
 
-@pytest.mark.parametrize("dtype, error", [(torch.bits8, TypeError),
-                                          (torch.quint8, NotImplementedError)])
+@pytest.mark.parametrize(
+    "dtype, error", [(torch.bits8, TypeError), (torch.quint8, NotImplementedError)]
+)
 @pytest.mark.slow
-def test_bit_and_quantized_dtypes_fail_default_collate_as_torch_and_pass_a_custom_one(dtype,
-                                                                                       error):
+def test_bit_and_quantized_dtypes_fail_default_collate_as_torch_and_pass_a_custom_one(dtype, error):
     """torch's default collate cannot stack bits8 (it raises a TypeError making the shared
     storage) nor bytes viewed as quint8; a slot must not stack them instead, whatever
     slot_bytes or fetch. A custom collate's batch of them travels as torch's does."""
@@ -1286,25 +1560,35 @@ def test_bit_and_quantized_dtypes_fail_default_collate_as_torch_and_pass_a_custo
     # are a tensor without a quantizer, which segfaults when read, under either loader.)
     custom = dict(batch_size=3, collate_fn=D.bits_collate, **W2)
     readable = dtype is torch.bits8
-    expected = [b.view(torch.uint8) if readable else (b.dtype, b.shape)
-                for b in TorchDataLoader(make(), **custom)]
-    got = [b.view(torch.uint8) if readable else (b.dtype, b.shape)
-           for b in ShmDataLoader(make(), slot_bytes=1 << 16, **custom)]
+    expected = [
+        b.view(torch.uint8) if readable else (b.dtype, b.shape)
+        for b in TorchDataLoader(make(), **custom)
+    ]
+    got = [
+        b.view(torch.uint8) if readable else (b.dtype, b.shape)
+        for b in ShmDataLoader(make(), slot_bytes=1 << 16, **custom)
+    ]
     D.assert_same(expected, got)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(slot_bytes=1 << 16), dict(fetch="sample")],
-                         ids=["ring-sized-by-batches", "ring-at-start", "sample"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(slot_bytes=1 << 16), dict(fetch="sample")],
+    ids=["ring-sized-by-batches", "ring-at-start", "sample"],
+)
 def test_an_error_whose_class_cannot_be_pickled_is_raised_with_its_traceback(kw):
     """torch's worker cannot send such an error (its feeder thread prints it; the loader
     waits for its timeout). It must not kill the worker either: it comes as a RuntimeError
     carrying the original type, message and traceback, and the other batches come."""
-    outcomes = each_next(ShmDataLoader(D.RuntimeClassErrorMap(12), batch_size=2, timeout=60,
-                                       **W2, **kw), epochs=2)
+    outcomes = each_next(
+        ShmDataLoader(D.RuntimeClassErrorMap(12), batch_size=2, timeout=60, **W2, **kw), epochs=2
+    )
     expected = each_next(TorchDataLoader(D.IndexMap(12), batch_size=2, **W2), epochs=2)
     for epoch in (0, 6):
         error_type, last_line = outcomes[epoch + 3]
-        assert error_type is RuntimeError and last_line.endswith("NoSuchKey: s3://bucket/7 is missing")
+        assert error_type is RuntimeError and last_line.endswith(
+            "NoSuchKey: s3://bucket/7 is missing"
+        )
         outcomes[epoch + 3] = expected[epoch + 3]
     D.assert_same(expected, outcomes)
 
@@ -1340,6 +1624,7 @@ def test_changed_default_collate_fn_map_collates_like_torch(monkeypatch, shm_kw)
     tensors, a type of its own) gets every batch as torch's default_collate makes it, in
     the ring as before it is sized."""
     from torch.utils.data._utils.collate import default_collate_fn_map
+
     monkeypatch.setitem(default_collate_fn_map, torch.Tensor, _pad)
     monkeypatch.setitem(default_collate_fn_map, _Point, _collate_points)
     t = run(TorchDataLoader, _VariableLengths, batch_size=4, num_workers=2, epochs=2)
@@ -1351,6 +1636,7 @@ def test_added_default_collate_fn_map_entry_collates_like_torch(monkeypatch):
     """An entry for a type of the user's own, torch's tensor collation left as it is:
     tensors still stack straight into the slot, and the new type is collated as torch's."""
     from torch.utils.data._utils.collate import default_collate_fn_map
+
     monkeypatch.setitem(default_collate_fn_map, _Point, _collate_points)
     t = run(TorchDataLoader, _ImagesAndPoints, batch_size=4, num_workers=2)
     s = run(P(ShmDataLoader, slot_bytes=1 << 16), _ImagesAndPoints, batch_size=4, num_workers=2)
@@ -1374,9 +1660,11 @@ class _ImagesAndPoints(tud.Dataset):
 def test_slot_knobs_do_not_change_output(shm_kw):
     """Batches larger than a slot are still delivered whole; a user holding every batch (list())
     with few slots neither deadlocks nor sees data change."""
-    for make, kw in [(P(D.GrowingMap, 12), dict(batch_size=2, collate_fn=D.identity_collate)),
-                     (P(D.RichMap, 8), dict(batch_size=4)),
-                     (P(D.NumpyKindsMap, 12), dict(batch_size=2, collate_fn=D.identity_collate))]:
+    for make, kw in [
+        (P(D.GrowingMap, 12), dict(batch_size=2, collate_fn=D.identity_collate)),
+        (P(D.RichMap, 8), dict(batch_size=4)),
+        (P(D.NumpyKindsMap, 12), dict(batch_size=2, collate_fn=D.identity_collate)),
+    ]:
         t = run(TorchDataLoader, make, num_workers=2, epochs=2, **kw)
         s = run(P(ShmDataLoader, **shm_kw), make, num_workers=2, epochs=2, **kw)
         assert_results_same(t, s)

@@ -57,6 +57,7 @@ sleeps and exits): a module fixture starts every selected scenario in test order
 each test judges its own.  Set KILL_MATRIX_REPORT=<path> to append one JSON line of
 figures per scenario (exit and gone times, the error's delay, wall time).
 """
+
 import errno
 import json
 import os
@@ -82,17 +83,30 @@ DRIVER_S = 200.0  # a whole `worker` scenario (the driver's stack dump at 170 s 
 HOWS = ("return", "exception", "sigint", "sigterm", "sigkill")
 WHENS = ("mid", "between")
 FAULTS = ("sigkill", "sigsegv", "exit", "init", "iter", "getitem")
-DEATHS = {"sigkill": "is killed by signal: Killed.",
-          "sigsegv": "is killed by signal: Segmentation fault.",
-          "exit": "exited unexpectedly with exit code 1.",
-          "idle-sigkill": "is killed by signal: Killed."}
-EXCEPTIONS = {"init": ("LookupError", "worker_init_fn failed in worker 1 (InitFailsOnce)"),
-              "iter": ("KeyError", "__iter__ failed in worker 1 (StreamFailsOnce)"),
-              "getitem": ("ValueError", "sample 22 is broken (FaultOnce)")}
-EXIT_STATUS = {"return": 0, "exception": 1, "sigint": -signal.SIGINT,
-               "sigterm": -signal.SIGTERM, "sigkill": -signal.SIGKILL}
-SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL,
-           "sigint_group": signal.SIGINT}
+DEATHS = {
+    "sigkill": "is killed by signal: Killed.",
+    "sigsegv": "is killed by signal: Segmentation fault.",
+    "exit": "exited unexpectedly with exit code 1.",
+    "idle-sigkill": "is killed by signal: Killed.",
+}
+EXCEPTIONS = {
+    "init": ("LookupError", "worker_init_fn failed in worker 1 (InitFailsOnce)"),
+    "iter": ("KeyError", "__iter__ failed in worker 1 (StreamFailsOnce)"),
+    "getitem": ("ValueError", "sample 22 is broken (FaultOnce)"),
+}
+EXIT_STATUS = {
+    "return": 0,
+    "exception": 1,
+    "sigint": -signal.SIGINT,
+    "sigterm": -signal.SIGTERM,
+    "sigkill": -signal.SIGKILL,
+}
+SIGNALS = {
+    "sigint": signal.SIGINT,
+    "sigterm": signal.SIGTERM,
+    "sigkill": signal.SIGKILL,
+    "sigint_group": signal.SIGINT,
+}
 BATCHES = 32  # of the driver's `worker` loaders
 
 
@@ -124,6 +138,7 @@ def _worker_matrix():
 
 # ---- /proc, /dev/shm ------------------------------------------------------------
 
+
 def _descendants(root):
     """Live descendants of `root`, from /proc."""
     parent_of = {}
@@ -140,7 +155,6 @@ def _descendants(root):
     return sorted(p for p in found if alive(p))
 
 
-
 # ---- running the driver ----------------------------------------------------------
 # Scenarios are mostly waiting (interpreter and torch start-up in three processes,
 # sleeps, exits), so a few run at once: a module fixture starts every selected one
@@ -148,6 +162,7 @@ def _descendants(root):
 # it.  KILL_MATRIX_JOBS=1 runs them one at a time.
 
 JOBS = max(1, int(os.environ.get("KILL_MATRIX_JOBS", "3")))
+
 
 def _events(text):
     return [json.loads(line[3:]) for line in text.splitlines() if line.startswith("KD ")]
@@ -165,8 +180,9 @@ def _start(workdir, *args):
             # A session of its own: signals for its group reach the driver and its
             # workers only, and cleanup can kill the whole group.
             try:
-                return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err,
-                                        start_new_session=True)
+                return subprocess.Popen(
+                    cmd, cwd=ROOT, stdout=out, stderr=err, start_new_session=True
+                )
             except OSError as e:
                 # Once in CI, starting the driver (vfork + exec of the interpreter, from
                 # this module's thread pool) failed with EFAULT on sys.executable, before
@@ -210,26 +226,45 @@ def _finish(result, workdir, proc):
     result["out"], result["err"] = _read(workdir / "out"), _read(workdir / "err")
     result["status"] = proc.returncode
     result["new_segments"] = sorted(
-        n for n in set(our_segments()) - result.pop("segments0") if str(proc.pid) in n)
+        n for n in set(our_segments()) - result.pop("segments0") if str(proc.pid) in n
+    )
     result["any_new_segments"] = sorted(set(our_segments()) - set(result.get("segments_all0", ())))
     return result
 
 
 def run_main(workdir, ctx, persistent, how, when):
     """One (a) scenario: start the driver, end it by `how` once it is ready."""
-    result = {"test": "main", "ctx": ctx, "persistent": persistent, "how": how, "when": when,
-              "segments0": set(our_segments()), "t_start": time.monotonic()}
+    result = {
+        "test": "main",
+        "ctx": ctx,
+        "persistent": persistent,
+        "how": how,
+        "when": when,
+        "segments0": set(our_segments()),
+        "t_start": time.monotonic(),
+    }
     result["segments_all0"] = sorted(result["segments0"])
-    proc = _start(workdir, "main", "--how", "sigint" if how == "sigint_group" else how,
-                  "--when", when, "--ctx", ctx, "--persistent", persistent)
+    proc = _start(
+        workdir,
+        "main",
+        "--how",
+        "sigint" if how == "sigint_group" else how,
+        "--when",
+        when,
+        "--ctx",
+        ctx,
+        "--persistent",
+        persistent,
+    )
     watched = []
     try:
         deadline = time.monotonic() + STARTUP_S
         ready = None
         while ready is None and time.monotonic() < deadline:
             exited = proc.poll() is not None
-            ready = next((e for e in _events(_read(workdir / "out")) if e["event"] == "ready"),
-                         None)
+            ready = next(
+                (e for e in _events(_read(workdir / "out")) if e["event"] == "ready"), None
+            )
             if ready is None and exited:
                 break
             if ready is None:
@@ -260,8 +295,14 @@ def run_main(workdir, ctx, persistent, how, when):
 
 def run_worker(workdir, ctx, persistent, fault):
     """One (b) scenario: the driver runs it to the end by itself."""
-    result = {"test": "worker", "ctx": ctx, "persistent": persistent, "fault": fault,
-              "segments0": set(our_segments()), "t_start": time.monotonic()}
+    result = {
+        "test": "worker",
+        "ctx": ctx,
+        "persistent": persistent,
+        "fault": fault,
+        "segments0": set(our_segments()),
+        "t_start": time.monotonic(),
+    }
     result["segments_all0"] = sorted(result["segments0"])
     proc = _start(workdir, "worker", "--fault", fault, "--ctx", ctx, "--persistent", persistent)
     watched = []
@@ -317,19 +358,20 @@ def scenarios(request, tmp_path_factory):
 
 
 def _output(result):
-    return (f"\n--- driver stdout ---\n{result['out']}"
-            f"\n--- driver stderr ---\n{result['err'][-6000:]}")
+    return (
+        f"\n--- driver stdout ---\n{result['out']}\n--- driver stderr ---\n{result['err'][-6000:]}"
+    )
 
 
 def _report(result):
     path = os.environ.get("KILL_MATRIX_REPORT")
     if path:
         with open(path, "a") as f:
-            f.write(json.dumps({k: v for k, v in result.items() if k not in ("out", "err")})
-                    + "\n")
+            f.write(json.dumps({k: v for k, v in result.items() if k not in ("out", "err")}) + "\n")
 
 
 # ---- the tests -----------------------------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ctx, persistent, how, when", _main_matrix())
@@ -355,8 +397,10 @@ def test_main_process_ends(scenarios, ctx, persistent, how, when):
         problems.append(f"workers not all alive at the event: {ready}")
     left = [p for p, t in r["gone_s"].items() if t is None]
     if left:
-        problems.append(f"processes still alive {GONE_S} s after the main process exited: "
-                        f"{left} (workers {ready['workers']})")
+        problems.append(
+            f"processes still alive {GONE_S} s after the main process exited: "
+            f"{left} (workers {ready['workers']})"
+        )
     if r["new_segments"] or r["any_new_segments"]:
         problems.append(f"left in /dev/shm: {r['new_segments'] or r['any_new_segments']}")
     assert not problems, "; ".join(problems) + f" (exit after {r['exit_s']} s)" + _output(r)
@@ -368,8 +412,14 @@ def test_worker_fails(scenarios, ctx, persistent, fault):
     r = scenarios.result(("worker", ctx, persistent, fault))
     events = {e["event"]: e for e in _events(r["out"])}
     error = events.get("error")
-    _report(dict(r, error=error and {k: error[k] for k in ("type", "elapsed_s", "victim")},
-                 next_epoch=events.get("next_epoch"), final=events.get("final")))
+    _report(
+        dict(
+            r,
+            error=error and {k: error[k] for k in ("type", "elapsed_s", "victim")},
+            next_epoch=events.get("next_epoch"),
+            final=events.get("final"),
+        )
+    )
     assert "failure" not in r, r.get("failure", "") + _output(r)
     assert "workers" in events, "the driver did not start its workers" + _output(r)
 
@@ -385,10 +435,10 @@ def test_worker_fails(scenarios, ctx, persistent, fault):
     else:
         kind, text = EXCEPTIONS[fault]
         if error["type"] != kind:
-            problems.append(f"raised {error['type']}, not the worker's {kind}: "
-                            f"{error['message'][:300]!r}")
-        for part in (text, f"Caught {kind} in DataLoader worker process 1",
-                     "Original Traceback"):
+            problems.append(
+                f"raised {error['type']}, not the worker's {kind}: {error['message'][:300]!r}"
+            )
+        for part in (text, f"Caught {kind} in DataLoader worker process 1", "Original Traceback"):
             if part not in error["message"]:
                 problems.append(f"the error does not say {part!r}")
     if error is not None and error["elapsed_s"] is None:
@@ -403,8 +453,9 @@ def test_worker_fails(scenarios, ctx, persistent, fault):
     if nxt.get("batches") != BATCHES or nxt.get("errors"):
         problems.append(f"next epoch not whole: {nxt}")
     if events.get("all_gone", {}).get("left") != []:
-        problems.append(f"workers alive {GONE_S} s after the loader was deleted: "
-                        f"{events.get('all_gone')}")
+        problems.append(
+            f"workers alive {GONE_S} s after the loader was deleted: {events.get('all_gone')}"
+        )
     final = events.get("final")
     if final is None:
         problems.append("the driver did not finish")

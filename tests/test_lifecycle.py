@@ -1,6 +1,7 @@
 """Failures and cleanup (docs/design.md, contract 5): worker errors and deaths,
 timeouts, and that no worker or segment outlives the loader however the main
 process ends.  Anything that could hang runs under a hard timeout."""
+
 import contextlib
 import functools
 import gc
@@ -22,8 +23,15 @@ import torch.utils.data as tud
 from shmloader import DataLoader, WorkerDied, _torch_api
 from shmloader._ring import CLAIMED
 from tests.datasets_lifecycle import Dying, Failing, Images, Sleepy
-from tests.procs import (describe_stuck, open_fds, our_segments, own_children,
-                         rearm_hang_guard, wait_gone, wait_until)
+from tests.procs import (
+    describe_stuck,
+    open_fds,
+    our_segments,
+    own_children,
+    rearm_hang_guard,
+    wait_gone,
+    wait_until,
+)
 
 # Slots held by batches are what these tests are about: small leaves stay views.
 pytestmark = pytest.mark.usefixtures("views_only")
@@ -51,10 +59,12 @@ def test_workers_gone_and_nothing_left(how):
         list(it)
         del it  # an exhausted iterator still refers to the loader's ring
     else:
+
         def consume():
             for i, _ in enumerate(it):
                 if i == 3:
                     raise KeyError("user code failed")
+
         with pytest.raises(KeyError) as info:
             consume()
         del it, info  # the traceback holds consume's frame and its batch
@@ -123,8 +133,10 @@ def test_child_forked_while_batch_held_keeps_it():
 
 def _expected_batches(n, batch_size=4):
     images = Images(n)
-    return [torch.stack([images[i] for i in range(b, b + batch_size)]).tolist()
-            for b in range(0, n, batch_size)]
+    return [
+        torch.stack([images[i] for i in range(b, b + batch_size)]).tolist()
+        for b in range(0, n, batch_size)
+    ]
 
 
 def _in_forked_child(work):
@@ -150,6 +162,7 @@ def _in_forked_child(work):
             data = answer.read()
         os.waitpid(pid, 0)
         return pickle.loads(data) if data else ("hung", None)
+
     return result
 
 
@@ -173,8 +186,11 @@ def test_forked_child_dropping_its_loader_leaves_the_parents_batches():
     it = iter(loader)
     got = [next(it).tolist()]
     ring = it._ring  # the batches in flight are published (no slot left CLAIMED): they wait
-    wait_until(lambda: CLAIMED not in map(ring.slot_state, range(ring.nslots)), HANG,
-               "the batches in flight published")
+    wait_until(
+        lambda: CLAIMED not in map(ring.slot_state, range(ring.nslots)),
+        HANG,
+        "the batches in flight published",
+    )
     os.write(go_write, b"x")
     os.waitpid(pid, 0)
     got += [batch.tolist() for batch in it]
@@ -186,8 +202,9 @@ def test_forked_child_dropping_its_loader_leaves_the_parents_batches():
 def test_forked_child_iterating_its_loader_uses_workers_of_its_own(persistent):
     """A child forked between epochs that iterates its copy of the loader gets every
     batch from workers and a ring of its own, while the parent's next epoch runs."""
-    loader = DataLoader(Images(64), batch_size=4, num_workers=2, timeout=HANG,
-                        persistent_workers=persistent)
+    loader = DataLoader(
+        Images(64), batch_size=4, num_workers=2, timeout=HANG, persistent_workers=persistent
+    )
     for _ in loader:  # the loader keeps its ring, or its iterator, for the next epoch
         pass
     child = _in_forked_child(lambda: [batch.tolist() for batch in loader])
@@ -212,8 +229,14 @@ def test_forked_child_numbers_its_epochs_as_the_parent_does():
     """A persistent loader that prefetched its next epoch, forked between epochs: the
     child's own iterator numbers that epoch as the parent's does (seed_per_sample's
     epoch, the state's epoch)."""
-    loader = DataLoader(Images(16), batch_size=4, num_workers=2, persistent_workers=True,
-                        prefetch_next_epoch=True, seed_per_sample=True)
+    loader = DataLoader(
+        Images(16),
+        batch_size=4,
+        num_workers=2,
+        persistent_workers=True,
+        prefetch_next_epoch=True,
+        seed_per_sample=True,
+    )
     for _ in loader:
         pass
 
@@ -240,8 +263,9 @@ def test_own_workers_keep_the_batches_held_when_forked():
     epoch's workers are forked while the parent holds them, and keep them while the parent
     drops them and the loader refills their slots, as torch's workers keep theirs."""
     holder = []
-    loader = DataLoader(_ReplayImages(holder), batch_size=4, num_workers=2,
-                        slot_bytes=1 << 16, num_slots=6)
+    loader = DataLoader(
+        _ReplayImages(holder), batch_size=4, num_workers=2, slot_bytes=1 << 16, num_slots=6
+    )
     holder += [batch for i, batch in enumerate(loader) if 2 <= i < 6]
     want = [int(batch.sum()) for batch in holder]
     it = iter(loader)  # the workers are forked holding the buffer
@@ -257,8 +281,14 @@ def test_fork_while_a_thread_writes_a_held_batch_loses_no_write():
     parent's batch: none may land in shared pages already copied and then swapped out."""
     import threading
 
-    loader = DataLoader(_Zeros(), batch_size=4, num_workers=1, prefetch_factor=1, num_slots=3,
-                        persistent_workers=True)
+    loader = DataLoader(
+        _Zeros(),
+        batch_size=4,
+        num_workers=1,
+        prefetch_factor=1,
+        num_slots=3,
+        persistent_workers=True,
+    )
     it = iter(loader)
     for trial in range(4):
         batch = next(it)
@@ -267,7 +297,7 @@ def test_fork_while_a_thread_writes_a_held_batch_loses_no_write():
         def add_ones():
             started.set()
             for _ in range(40):
-                batch.add_(1)
+                batch.add_(1)  # noqa: F821  (bound by the loop around add_ones)
 
         writer = threading.Thread(target=add_ones)
         writer.start()
@@ -292,8 +322,9 @@ def test_batch_kept_after_its_loader_is_gone_keeps_only_its_slot(persistent):
     goes, with the loader.)"""
     gc.collect()
     fds_before = open_fds()
-    loader = DataLoader(Images(16, shape=(1024, 1024)), batch_size=2, num_workers=2,
-                        persistent_workers=persistent)
+    loader = DataLoader(
+        Images(16, shape=(1024, 1024)), batch_size=2, num_workers=2, persistent_workers=persistent
+    )
     for i, batch in enumerate(loader):
         if i == 6:  # past the batches that size the ring
             kept = batch[0, :4]
@@ -347,8 +378,14 @@ def test_other_loaders_workers_keep_the_batches_held_when_forked():
     """Loader B's workers are forked while the training process holds batches of loader A
     (a cache B's dataset reads). They keep those batches, as torch's shared memory would,
     while the parent drops them and A refills their slots."""
-    a = DataLoader(Images(48), batch_size=4, num_workers=2, slot_bytes=1 << 16, num_slots=4,
-                   persistent_workers=True)
+    a = DataLoader(
+        Images(48),
+        batch_size=4,
+        num_workers=2,
+        slot_bytes=1 << 16,
+        num_slots=4,
+        persistent_workers=True,
+    )
     it = iter(a)
     holder = [next(it), next(it)]
     want = [batch.clone() for batch in holder]
@@ -366,8 +403,13 @@ def test_other_loaders_workers_keep_the_batches_held_when_forked():
 @pytest.mark.slow
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_worker_exception_reraised_and_next_epoch_works(context):
-    loader = DataLoader(Failing(24, bad=9), batch_size=4, num_workers=2,
-                        multiprocessing_context=context, persistent_workers=True)
+    loader = DataLoader(
+        Failing(24, bad=9),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context=context,
+        persistent_workers=True,
+    )
     for _ in range(2):
         seen = []
         it = iter(loader)
@@ -407,15 +449,22 @@ def test_worker_killed_by_signal_names_pid_and_signal(signum):
     message = str(e.value)
     # torch's SIGCHLD handler's words first (torch's own test_segfault matches them), then which
     # worker and signal
-    assert re.match(r"DataLoader worker \(pid \d+\) is killed by signal: "
-                    + re.escape(signal.strsignal(signum)) + r"\. ", message), message
+    assert re.match(
+        r"DataLoader worker \(pid \d+\) is killed by signal: "
+        + re.escape(signal.strsignal(signum))
+        + r"\. ",
+        message,
+    ), message
     assert f"by {signum.name};" in message, message
 
 
 def test_worker_exit_names_exit_code():
     loader = DataLoader(Dying(64, at=20, signum=0), batch_size=2, num_workers=2)
-    with pytest.raises(WorkerDied, match=r"^DataLoader worker \(pid \d+\) exited unexpectedly "
-                       r"with exit code 1\. Details are lost"):
+    with pytest.raises(
+        WorkerDied,
+        match=r"^DataLoader worker \(pid \d+\) exited unexpectedly "
+        r"with exit code 1\. Details are lost",
+    ):
         list(loader)
 
 
@@ -435,15 +484,26 @@ def test_worker_out_of_file_descriptors_is_named(room):
     """A worker that has no room for the ring's fds (too many open files: none at all, or
     too few for the two fds, which the kernel then drops) exits, and the main process says
     so and what to do, instead of a bare exit code."""
-    loader = DataLoader(Images(8), batch_size=2, num_workers=2, slot_bytes=1 << 16,
-                        worker_init_fn=functools.partial(_open_few_more_files, room))
-    with pytest.raises(WorkerDied, match=r"could not receive the ring's file descriptors.*ulimit -n"):
+    loader = DataLoader(
+        Images(8),
+        batch_size=2,
+        num_workers=2,
+        slot_bytes=1 << 16,
+        worker_init_fn=functools.partial(_open_few_more_files, room),
+    )
+    with pytest.raises(
+        WorkerDied, match=r"could not receive the ring's file descriptors.*ulimit -n"
+    ):
         list(loader)
 
 
 def test_worker_death_then_new_epoch_works():
-    loader = DataLoader(Dying(64, at=20, signum=int(signal.SIGKILL)), batch_size=2,
-                        num_workers=2, persistent_workers=True)
+    loader = DataLoader(
+        Dying(64, at=20, signum=int(signal.SIGKILL)),
+        batch_size=2,
+        num_workers=2,
+        persistent_workers=True,
+    )
     it = iter(loader)
     with pytest.raises(WorkerDied):
         list(it)
@@ -532,8 +592,13 @@ def main_process(script, *args):
     """A training process running `script`, which prints its workers' pids first: yields
     (the process, those pids); it is killed at the end if still there."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line, proc.stderr.read()
@@ -574,8 +639,13 @@ def test_ignored_sigchld_leaves_every_epoch_whole_like_torch():
     """A process that ignores SIGCHLD: torch's iterator puts its own SIGCHLD handler in
     place, so exited workers can be waited for; every epoch ends cleanly."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", SIGCHLD_IGNORED_SCRIPT], cwd=root,
-                          capture_output=True, text=True, timeout=HANG)
+    done = subprocess.run(
+        [sys.executable, "-c", SIGCHLD_IGNORED_SCRIPT],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    )
     assert (done.returncode, done.stdout.strip()) == (0, "[8, 8, 8]"), done.stderr
     assert "Traceback" not in done.stderr
 
@@ -619,8 +689,13 @@ def test_resource_limits_give_errors_that_name_them(limit):
     does for files,
     never an internal message ("received 0 items of ancdata")."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", LIMITED_SCRIPT, limit], cwd=root,
-                          capture_output=True, text=True, timeout=HANG)
+    done = subprocess.run(
+        [sys.executable, "-c", LIMITED_SCRIPT, limit],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    )
     out = done.stdout
     if limit == "files":
         assert "Too many open files" in out or "RLIMIT_NOFILE" in out, (out, done.stderr)
@@ -707,21 +782,27 @@ def test_unpicklable_dataset_raising_its_own_error_class_like_torch():
     raised = []
     for cls in (tud.DataLoader, DataLoader):
         with pytest.raises(_HandleError) as e, _torchs_pickle_warning():
-            iter(cls(_HoldsAHandle(8), batch_size=4, num_workers=2,
-                     multiprocessing_context="spawn"))
+            iter(
+                cls(_HoldsAHandle(8), batch_size=4, num_workers=2, multiprocessing_context="spawn")
+            )
         raised.append(e.value)
-    assert str(raised[1]) == str(raised[0]) == "cannot pickle _HoldsAHandle: holds a database handle"
+    assert (
+        str(raised[1]) == str(raised[0]) == "cannot pickle _HoldsAHandle: holds a database handle"
+    )
     assert "multiprocessing_context='fork'" in raised[1].__notes__[0]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_unpicklable_dataset_is_clear_error_and_leaves_nothing(context):
-    loader = DataLoader(_Unpicklable(8), batch_size=4, num_workers=2,
-                        multiprocessing_context=context)
+    loader = DataLoader(
+        _Unpicklable(8), batch_size=4, num_workers=2, multiprocessing_context=context
+    )
     children = set(own_children())
-    with pytest.raises((TypeError, AttributeError, pickle.PicklingError)) as e, \
-            _torchs_pickle_warning():
+    with (
+        pytest.raises((TypeError, AttributeError, pickle.PicklingError)) as e,
+        _torchs_pickle_warning(),
+    ):
         iter(loader)  # torch's warning too, then the error
     message = str(e.value)
     assert "cannot be pickled" in message and f"multiprocessing_context={context!r}" in message
@@ -772,9 +853,13 @@ def test_ctrl_c_while_shutting_down_still_ends_the_workers():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     outs = {}
     for module in ("torch.utils.data", "shmloader"):
-        done = subprocess.run([sys.executable, "-c",
-                               INTERRUPTED_SHUTDOWN_SCRIPT.format(module=module)],
-                              cwd=root, capture_output=True, text=True, timeout=HANG)
+        done = subprocess.run(
+            [sys.executable, "-c", INTERRUPTED_SHUTDOWN_SCRIPT.format(module=module)],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=HANG,
+        )
         outs[module] = done.stdout.split()
         assert done.returncode == 0, done.stderr[-2000:]
     assert outs["torch.utils.data"][:4] == ["interrupted", "workers", "left", "0"], outs
@@ -817,8 +902,13 @@ def test_a_background_thread_iterating_at_exit_leaves_multiprocessing_its_exit()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for _ in range(4):
         rearm_hang_guard()  # (a bound on each run: four take minutes on a loaded machine)
-        done = subprocess.run([sys.executable, "-c", BACKGROUND_THREAD_AT_EXIT_SCRIPT],
-                              cwd=root, capture_output=True, text=True, timeout=HANG)
+        done = subprocess.run(
+            [sys.executable, "-c", BACKGROUND_THREAD_AT_EXIT_SCRIPT],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=HANG,
+        )
         assert done.returncode == 0
         assert "atexit" not in done.stderr and "is closed" not in done.stderr, done.stderr
 
@@ -846,8 +936,13 @@ def test_a_training_thread_outliving_the_main_thread_ends_each_epochs_workers():
     """A non-daemon thread that trains after the main thread returned: the interpreter is
     not exiting yet, so each epoch's workers are shut down as usual."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", TRAINING_THREAD_OUTLIVING_MAIN_SCRIPT],
-                          cwd=root, capture_output=True, text=True, timeout=HANG)
+    done = subprocess.run(
+        [sys.executable, "-c", TRAINING_THREAD_OUTLIVING_MAIN_SCRIPT],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["16", "0"] * 3, done.stdout
 
@@ -877,8 +972,12 @@ def test_an_interrupted_next_ends_its_iterator_instead_of_losing_a_batch(persist
     """A caught KeyboardInterrupt that landed inside next() (at iter() for draw 1, mid-epoch
     for draw 6) leaves no iterator that goes on short of a batch: the next next() raises,
     saying why, and iter(loader) starts a whole epoch with fresh workers."""
-    loader = DataLoader(list(range(20)), batch_sampler=_InterruptingBatchSampler(20, at),
-                        num_workers=2, persistent_workers=persistent)
+    loader = DataLoader(
+        list(range(20)),
+        batch_sampler=_InterruptingBatchSampler(20, at),
+        num_workers=2,
+        persistent_workers=persistent,
+    )
     got = []
     with pytest.raises(KeyboardInterrupt):
         it = iter(loader)

@@ -9,6 +9,7 @@ ones.
 Most datasets here have 10 batches an epoch while at most prefetch_factor * num_workers = 4 are in
 flight, so a prefetch never exhausts the next epoch's sampler (see the bug tests at the end for
 what happens when it does)."""
+
 import collections
 import functools
 import gc
@@ -37,16 +38,34 @@ def distributed(n, seed=5):
 Run = collections.namedtuple("Run", "epochs rng_after generator_after sampler_epoch stats")
 
 
-def epochs_of(cls, make_dataset=P(D.IndexMap, N), *, epochs=3, on_epoch=None, stop_after=None,
-              sampler=None, generator_seed=None, batch_size=BS, num_workers=2, **kw):
+def epochs_of(
+    cls,
+    make_dataset=P(D.IndexMap, N),
+    *,
+    epochs=3,
+    on_epoch=None,
+    stop_after=None,
+    sampler=None,
+    generator_seed=None,
+    batch_size=BS,
+    num_workers=2,
+    **kw,
+):
     """Iterate `epochs` epochs of one persistent loader, keeping every batch.  on_epoch(e, g, s)
     runs before epoch e's iter() (g: the generator, s: the sampler); stop_after {epoch: k}
     breaks out of that epoch after its batch k."""
     seed_all(SEED)
     g = torch.Generator().manual_seed(generator_seed) if generator_seed is not None else None
     smp = sampler() if sampler is not None else None
-    loader = cls(make_dataset(), batch_size=batch_size, sampler=smp, generator=g,
-                 num_workers=num_workers, persistent_workers=True, **kw)
+    loader = cls(
+        make_dataset(),
+        batch_size=batch_size,
+        sampler=smp,
+        generator=g,
+        num_workers=num_workers,
+        persistent_workers=True,
+        **kw,
+    )
     out = []
     with warnings.catch_warnings(), deadline(90):
         warnings.simplefilter("ignore")  # kept batches fill the ring: a warning, not a failure
@@ -83,7 +102,8 @@ def check(ordered=True, shm=None, **kw):
     else:
         for e, (te, se) in enumerate(zip(t.epochs, s.epochs)):
             assert collections.Counter(map(D.canon, te)) == collections.Counter(map(D.canon, se)), (
-                f"epoch {e}: different batches")
+                f"epoch {e}: different batches"
+            )
     D.assert_same(t.rng_after, s.rng_after, "main-process RNG after the epochs")
     return s.stats
 
@@ -114,10 +134,15 @@ def test_distributed_sampler_set_epoch_each_epoch_adopted():
 def test_batch_sampler_over_distributed_sampler_set_epoch_each_epoch():
     """set_epoch(e) on a DistributedSampler that a BatchSampler holds: the prefetch sets and
     checks the inner sampler's epoch too, so epoch e is drawn with e, not with e - 1."""
+
     def epochs(cls):
         inner = distributed(N)
-        loader = cls(D.IndexMap(N), batch_sampler=tud.BatchSampler(inner, BS, False),
-                     num_workers=2, persistent_workers=True)
+        loader = cls(
+            D.IndexMap(N),
+            batch_sampler=tud.BatchSampler(inner, BS, False),
+            num_workers=2,
+            persistent_workers=True,
+        )
         out = []
         for e in range(3):
             inner.set_epoch(e)
@@ -133,24 +158,27 @@ def test_batch_sampler_over_distributed_sampler_set_epoch_each_epoch():
 def test_loader_dropped_while_its_iterator_runs():
     """`for batch in DataLoader(...)`: nothing holds the loader, so no next epoch can start;
     the epoch runs to its end as torch's does (nothing prefetched)."""
+
     def epoch(cls, **extra):
         got = []
-        for batch in cls(D.IndexMap(N), batch_size=BS, num_workers=2, persistent_workers=True,
-                         **extra):
+        for batch in cls(
+            D.IndexMap(N), batch_size=BS, num_workers=2, persistent_workers=True, **extra
+        ):
             got.append(batch)
         return got
 
-    D.assert_same(epoch(TorchDataLoader), epoch(ShmDataLoader, prefetch_next_epoch=True),
-                  "epoch")
+    D.assert_same(epoch(TorchDataLoader), epoch(ShmDataLoader, prefetch_next_epoch=True), "epoch")
 
 
 def test_next_epochs_sampler_failing_in_the_prefetch():
     """The next epoch's sampler raises when the prefetch draws it: this epoch's batches all
     come, and the error comes at the next iter(), where torch meets it."""
+
     def epochs(cls):
         sampler = D.FailingEpochSampler(N, bad=1)
-        loader = cls(D.IndexMap(N), batch_size=BS, sampler=sampler, num_workers=2,
-                     persistent_workers=True)
+        loader = cls(
+            D.IndexMap(N), batch_size=BS, sampler=sampler, num_workers=2, persistent_workers=True
+        )
         out = []
         for e in range(3):
             sampler.set_epoch(e)
@@ -237,6 +265,7 @@ def test_list_sampler_reshuffled_in_place_discards_prefetch():
 @pytest.mark.slow
 def test_weights_changed_in_place_discard_prefetch():
     """WeightedRandomSampler's weights (a tensor) edited in place between epochs."""
+
     def reweight(e, g, s):
         s.weights[e] *= 50
 
@@ -277,6 +306,7 @@ class _Curriculum(tud.Sampler):
 
 class _SlotsSampler(tud.Sampler):
     """A sampler with __slots__ (no __dict__) and set_epoch, which the user never calls."""
+
     __slots__ = ("n", "epoch")
 
     def __init__(self, n):
@@ -289,7 +319,9 @@ class _SlotsSampler(tud.Sampler):
         return self.n
 
     def __iter__(self):
-        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist())
+        return iter(
+            torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        )
 
 
 @pytest.mark.slow
@@ -297,6 +329,7 @@ def test_state_changed_in_nested_containers_or_slots_discards_prefetch():
     """A sampler's state may sit in a list of lists, a dict of dicts, or __slots__: changed
     in place (or, for an epoch in __slots__, left as it was) it is seen, and every epoch is
     torch's."""
+
     def reshuffle(e, g, s):
         for bucket in s.buckets:
             random.Random(e).shuffle(bucket)
@@ -307,13 +340,18 @@ def test_state_changed_in_nested_containers_or_slots_discards_prefetch():
     assert check(sampler=P(_BucketSampler, N), on_epoch=reshuffle).prefetched_epochs == 0
     assert check(sampler=P(_Curriculum, N), on_epoch=lengthen).prefetched_epochs == 0
     assert check(sampler=P(_SlotsSampler, N)).prefetched_epochs == 0
-    assert check(sampler=P(_SlotsSampler, N),
-                 on_epoch=lambda e, g, s: s.set_epoch(e)).prefetched_epochs == 2
+    assert (
+        check(
+            sampler=P(_SlotsSampler, N), on_epoch=lambda e, g, s: s.set_epoch(e)
+        ).prefetched_epochs
+        == 2
+    )
 
 
 class _PlanSampler(tud.Sampler):
     """Its order sits second in a list that starts with a name, or in a private __slots__
     name (stored mangled); the user reverses it in place between epochs."""
+
     __slots__ = ("plan", "__order")
 
     def __init__(self, n, private=False):
@@ -354,15 +392,25 @@ class _NumpyRngSampler(tud.Sampler):
         return self.limit
 
     def __iter__(self):
-        return iter(self.rng.permutation(self.n)[:self.limit].tolist())
+        return iter(self.rng.permutation(self.n)[: self.limit].tolist())
 
 
 @pytest.mark.slow
 def test_state_in_a_deque_or_a_numpy_random_state_discards_prefetch():
-    assert check(sampler=P(_DequeSampler, N), on_epoch=lambda e, g, s: s.order.rotate(5),
-                 ).prefetched_epochs == 0
-    assert check(sampler=P(_NumpyRngSampler, N), on_epoch=lambda e, g, s: s.rng.seed(e),
-                 ).prefetched_epochs == 0
+    assert (
+        check(
+            sampler=P(_DequeSampler, N),
+            on_epoch=lambda e, g, s: s.order.rotate(5),
+        ).prefetched_epochs
+        == 0
+    )
+    assert (
+        check(
+            sampler=P(_NumpyRngSampler, N),
+            on_epoch=lambda e, g, s: s.rng.seed(e),
+        ).prefetched_epochs
+        == 0
+    )
 
 
 @pytest.mark.slow
@@ -370,6 +418,7 @@ def test_a_numpy_random_state_a_sampler_holds_is_drawn_from_privately():
     """The early draws use a private copy of the sampler's own numpy RNG, as of a torch
     generator: a prefetch dropped for another change leaves the RNG where torch's would
     be, and one kept moves it on as torch's draws would."""
+
     def shorten(e, g, s):
         s.limit = N - 4 * e
 
@@ -381,8 +430,11 @@ class _TorchGeneratorSubclass(torch.Generator):
     pass
 
 
-_OWN_RNGS = {"torch-subclass": _TorchGeneratorSubclass, "numpy": np.random.RandomState,
-             "python": random.Random}
+_OWN_RNGS = {
+    "torch-subclass": _TorchGeneratorSubclass,
+    "numpy": np.random.RandomState,
+    "python": random.Random,
+}
 
 
 class _OwnRngSampler(tud.Sampler):
@@ -431,24 +483,42 @@ def test_a_samplers_own_generator_reseeded_by_a_set_epoch_never_called(kind, on_
 
 class _LoaderAwareSampler(tud.SequentialSampler):
     """Holds the loader (whose counters move with every batch): not part of its state."""
+
     loader = None
 
 
 @pytest.mark.slow
 def test_state_in_a_list_after_a_name_or_in_a_private_slot_discards_prefetch():
     reverse_in_list = lambda e, g, s: s.plan[1].reverse()  # noqa: E731 - the order is there
-    assert check(sampler=P(_PlanSampler, N, private=True), on_epoch=reverse_in_list,
-                 ).prefetched_epochs == 0
-    assert check(sampler=P(_PlanSampler, N), on_epoch=lambda e, g, s: s.reverse(),
-                 ).prefetched_epochs == 0
+    assert (
+        check(
+            sampler=P(_PlanSampler, N, private=True),
+            on_epoch=reverse_in_list,
+        ).prefetched_epochs
+        == 0
+    )
+    assert (
+        check(
+            sampler=P(_PlanSampler, N),
+            on_epoch=lambda e, g, s: s.reverse(),
+        ).prefetched_epochs
+        == 0
+    )
 
 
 def test_a_sampler_holding_its_loader_is_still_prefetched():
     loaders = []
     sampler = _LoaderAwareSampler(range(N))
     for cls in (TorchDataLoader, prefetching()):
-        loaders.append(cls(D.IndexMap(N), batch_size=BS, sampler=sampler, num_workers=2,
-                           persistent_workers=True))
+        loaders.append(
+            cls(
+                D.IndexMap(N),
+                batch_size=BS,
+                sampler=sampler,
+                num_workers=2,
+                persistent_workers=True,
+            )
+        )
         sampler.loader = loaders[-1]
         epochs = [[b[0].tolist() for b in loaders[-1]] for _ in range(3)]
         assert epochs == [[list(range(k, k + BS)) for k in range(0, N, BS)]] * 3
@@ -484,8 +554,15 @@ def _draw_at_one_step(cls, step, **kw):
     """Two epochs of 10 batches; the loop draws from the loader's generator once, after
     batch `step` of the first (a window of 4: the sampler runs out at batch 6)."""
     g = torch.Generator().manual_seed(3)
-    loader = cls(list(range(20)), batch_size=2, shuffle=True, generator=g, num_workers=2,
-                 persistent_workers=True, **kw)
+    loader = cls(
+        list(range(20)),
+        batch_size=2,
+        shuffle=True,
+        generator=g,
+        num_workers=2,
+        persistent_workers=True,
+        **kw,
+    )
     epochs, draws = [], []
     with warnings.catch_warnings(), deadline(90):
         warnings.simplefilter("ignore")
@@ -509,10 +586,18 @@ def test_a_dataset_of_tensors_replaced_between_epochs():
     """RandomSampler holds the dataset (a list of tensors) as its data_source: replacing a
     sample between epochs (pseudo-labels) neither fails the comparison nor drops anything
     (the samples are the dataset's business, not the sampler's)."""
+
     def run(cls, **kw):
         data = [torch.full((2,), float(i)) for i in range(12)]
-        loader = cls(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(1),
-                     num_workers=2, persistent_workers=True, **kw)
+        loader = cls(
+            data,
+            batch_size=3,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(1),
+            num_workers=2,
+            persistent_workers=True,
+            **kw,
+        )
         out = []
         for e in range(3):
             data[e] = torch.full((2,), -1.0)
@@ -539,10 +624,18 @@ def test_a_dataset_whose_length_changes_between_epochs(shuffle, change):
     """A curriculum that resizes its dataset after an epoch: the prefetched epoch was drawn
     below the old length, so it is drawn again (SequentialSampler and RandomSampler hold the
     dataset itself, whose length is all they draw from)."""
+
     def run(cls, **kw):
         dataset = _Resizable(16)
-        loader = cls(dataset, batch_size=4, shuffle=shuffle, num_workers=2,
-                     generator=torch.Generator().manual_seed(3), persistent_workers=True, **kw)
+        loader = cls(
+            dataset,
+            batch_size=4,
+            shuffle=shuffle,
+            num_workers=2,
+            generator=torch.Generator().manual_seed(3),
+            persistent_workers=True,
+            **kw,
+        )
         out = []
         for e in range(3):
             out.append(([b.tolist() for b in loader], len(loader)))
@@ -568,11 +661,18 @@ class _SubsetSampler(tud.Sampler):
 def test_a_subset_whose_indices_change_in_place_between_epochs():
     """A dataset a sampler holds (not the loader's own) is followed into like any object:
     its indices changed in place, at the same length, drop the prefetched epoch."""
+
     def run(cls, **kw):
         base = list(range(100))
         subset = tud.Subset(base, list(range(16)))
-        loader = cls(base, batch_size=4, sampler=_SubsetSampler(subset), num_workers=1,
-                     persistent_workers=True, **kw)
+        loader = cls(
+            base,
+            batch_size=4,
+            sampler=_SubsetSampler(subset),
+            num_workers=1,
+            persistent_workers=True,
+            **kw,
+        )
         out = []
         for e in range(3):
             out.append([b.tolist() for b in loader])
@@ -586,8 +686,14 @@ def test_break_after_the_sampler_ran_out_leaves_the_ring_its_slots():
     """The broken-off epoch's tasks still in flight are awaited before the adopted epoch
     fills its window, so their slots are free for it: no batch falls back to torch's
     transport."""
-    loader = ShmDataLoader(D.IndexMap(40), batch_size=1, num_workers=2, prefetch_factor=4,
-                           persistent_workers=True, prefetch_next_epoch=True)
+    loader = ShmDataLoader(
+        D.IndexMap(40),
+        batch_size=1,
+        num_workers=2,
+        prefetch_factor=4,
+        persistent_workers=True,
+        prefetch_next_epoch=True,
+    )
     with warnings.catch_warnings(), deadline(90):
         warnings.simplefilter("error")
         for _ in loader:  # sizes the ring
@@ -604,8 +710,15 @@ def _draws_in_the_loop(cls, **kw):
     """Two epochs whose loop draws from the loader's generator after every batch."""
     seed_all(SEED)
     g = torch.Generator().manual_seed(3)
-    loader = cls(D.IndexMap(N), batch_size=BS, shuffle=True, generator=g, num_workers=2,
-                 persistent_workers=True, **kw)
+    loader = cls(
+        D.IndexMap(N),
+        batch_size=BS,
+        shuffle=True,
+        generator=g,
+        num_workers=2,
+        persistent_workers=True,
+        **kw,
+    )
     draws, batches = [], []
     with warnings.catch_warnings(), deadline(90):
         warnings.simplefilter("ignore")  # kept batches fill the ring
@@ -627,7 +740,8 @@ def test_draws_from_the_generator_in_the_loop_stay_the_users():
 
 
 @pytest.mark.parametrize(
-    "values", [[1, 8, 15], [0, 1, 1], [0, 5, 6]], ids=["all-unexpected", "repeat", "jump-then-next"])
+    "values", [[1, 8, 15], [0, 1, 1], [0, 5, 6]], ids=["all-unexpected", "repeat", "jump-then-next"]
+)
 @pytest.mark.slow
 def test_set_epoch_with_unexpected_value(values):
     """set_epoch with another value than the prefetch assumed (e + 1): that epoch is refetched;
@@ -659,9 +773,13 @@ def test_breaks_after_the_sampler_ran_out_leave_every_epoch_its_window():
 
 @pytest.mark.slow
 def test_break_with_distributed_sampler():
-    stats = check(epochs=3, make_dataset=P(D.IndexMap, 2 * N), sampler=P(distributed, 2 * N),
-                  stop_after={1: 3},
-                  on_epoch=lambda e, g, s: s.set_epoch(e))
+    stats = check(
+        epochs=3,
+        make_dataset=P(D.IndexMap, 2 * N),
+        sampler=P(distributed, 2 * N),
+        stop_after={1: 3},
+        on_epoch=lambda e, g, s: s.set_epoch(e),
+    )
     assert stats.prefetched_epochs == 1  # epoch 1 adopted; epoch 1 broken before running out
 
 
@@ -675,25 +793,35 @@ def test_in_order_false():
     calls it after processing a task, so never gets there, but _adopt_next_epoch topped
     _tasks_outstanding up without counting next-epoch results already arrived, so every worker
     was at capacity and drawn indices were dropped.)"""
-    stats = check(ordered=False, epochs=4, make_dataset=P(D.JitterMap, N), in_order=False,
-                  shuffle=True, generator_seed=3)
+    stats = check(
+        ordered=False,
+        epochs=4,
+        make_dataset=P(D.JitterMap, N),
+        in_order=False,
+        shuffle=True,
+        generator_seed=3,
+    )
     assert stats.prefetched_epochs == 3
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("assignment", ["interleaved", "dynamic"])
 def test_fetch_sample_with_generator(assignment):
-    stats = check(shm=prefetching(fetch="sample", assignment=assignment), shuffle=True,
-                  generator_seed=3)
+    stats = check(
+        shm=prefetching(fetch="sample", assignment=assignment), shuffle=True, generator_seed=3
+    )
     assert stats.prefetched_epochs == 2
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("assignment", ["interleaved", "dynamic"])
 def test_fetch_sample_with_distributed_sampler(assignment):
-    stats = check(shm=prefetching(fetch="sample", assignment=assignment),
-                  make_dataset=P(D.NumericMap, N), sampler=P(distributed, N),
-                  on_epoch=lambda e, g, s: s.set_epoch(7 * e))  # 0, 7, 14: never e + 1
+    stats = check(
+        shm=prefetching(fetch="sample", assignment=assignment),
+        make_dataset=P(D.NumericMap, N),
+        sampler=P(distributed, N),
+        on_epoch=lambda e, g, s: s.set_epoch(7 * e),
+    )  # 0, 7, 14: never e + 1
     assert stats.prefetched_epochs == 0
 
 
@@ -706,10 +834,14 @@ def test_three_workers_prefetch_factor_1():
 INVALID = {
     "not-persistent": (P(D.IndexMap, 4), dict(num_workers=2, prefetch_next_epoch=True)),
     "no-workers": (P(D.IndexMap, 4), dict(prefetch_next_epoch=True)),
-    "iterable": (P(D.ShardedIterable, 4), dict(num_workers=2, persistent_workers=True,
-                                               prefetch_next_epoch=True)),
-    "not-a-bool": (P(D.IndexMap, 4), dict(num_workers=2, persistent_workers=True,
-                                          prefetch_next_epoch="yes")),
+    "iterable": (
+        P(D.ShardedIterable, 4),
+        dict(num_workers=2, persistent_workers=True, prefetch_next_epoch=True),
+    ),
+    "not-a-bool": (
+        P(D.IndexMap, 4),
+        dict(num_workers=2, persistent_workers=True, prefetch_next_epoch="yes"),
+    ),
 }
 
 
@@ -743,8 +875,12 @@ def test_discarded_prefetch_leaves_worker_rng_untouched():
     that draws random numbers (RNGMap: augmentation) differs from torch's, by an amount that
     depends on timing.  (The same loop with a dataset that draws nothing passes:
     test_reseeded_generator_discards_prefetch.)"""
-    stats = check(make_dataset=P(D.RNGMap, N), shuffle=True, generator_seed=3,
-                  on_epoch=lambda e, g, s: g.manual_seed(100 + e))
+    stats = check(
+        make_dataset=P(D.RNGMap, N),
+        shuffle=True,
+        generator_seed=3,
+        on_epoch=lambda e, g, s: g.manual_seed(100 + e),
+    )
     assert stats.prefetched_epochs == 0
 
 
@@ -784,7 +920,8 @@ def test_user_draws_from_generator_between_epochs():
 
     check(shuffle=True, generator_seed=3, on_epoch=draw)
     assert draws[1][0] == draws[1][1] and draws[2][0] == draws[2][1], (
-        f"the user's own draws (torch, shm) differ: {draws}")
+        f"the user's own draws (torch, shm) differ: {draws}"
+    )
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@
     in what loads() returns, fail the run like any new finding, and each keeps a minimal
     regression test at the end.
 """
+
 from __future__ import annotations
 
 import collections
@@ -53,18 +54,41 @@ NT2 = collections.namedtuple("NT2", ["a", "b"])
 NT3 = collections.namedtuple("NT3", ["a", "b", "c"])
 NAMEDTUPLES = {1: NT1, 2: NT2, 3: NT3}
 
-TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-                torch.complex128]
+TORCH_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+]
 DTYPE_BY_NAME = {str(d).removeprefix("torch."): d for d in TORCH_DTYPES}
-NP_DTYPES = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32",
-             "float64", "complex64", "complex128"]
+NP_DTYPES = [
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+]
 SPECIAL_FLOATS = [math.nan, math.inf, -math.inf, -0.0, 0.0, 5e-324, 1e308]
 
 
 # =========================================================================== (a) structures
 # A spec is a plain, hashable description of a sample's structure; build(spec, seed, index)
 # turns it into the sample.  Values depend on (seed, index, leaf number) only.
+
 
 def _shapes(max_dims=3):
     return st.lists(st.integers(0, 4), min_size=0, max_size=max_dims).map(tuple)
@@ -73,21 +97,30 @@ def _shapes(max_dims=3):
 def _tensor_leaf(collatable, shapes=None):
     variants = ["contig", "transpose", "slice", "expand"]
     rg = st.just(False) if collatable else st.booleans()
-    return st.tuples(st.just("tensor"), st.sampled_from(sorted(DTYPE_BY_NAME)),
-                     _shapes() if shapes is None else shapes, st.sampled_from(variants), rg)
+    return st.tuples(
+        st.just("tensor"),
+        st.sampled_from(sorted(DTYPE_BY_NAME)),
+        _shapes() if shapes is None else shapes,
+        st.sampled_from(variants),
+        rg,
+    )
 
 
 def _ndarray_leaf(shapes=None):
-    return st.tuples(st.just("ndarray"), st.sampled_from(NP_DTYPES),
-                     _shapes() if shapes is None else shapes,
-                     st.sampled_from(["contig", "transpose", "slice"]))
+    return st.tuples(
+        st.just("ndarray"),
+        st.sampled_from(NP_DTYPES),
+        _shapes() if shapes is None else shapes,
+        st.sampled_from(["contig", "transpose", "slice"]),
+    )
 
 
 def _scalar_leaves(collatable):
-    floats = st.one_of(st.sampled_from(SPECIAL_FLOATS),
-                       st.floats(allow_nan=True, allow_infinity=True, width=64))
+    floats = st.one_of(
+        st.sampled_from(SPECIAL_FLOATS), st.floats(allow_nan=True, allow_infinity=True, width=64)
+    )
     # collatable: + index must stay an int64 (default_collate makes a tensor of them)
-    ints = st.integers(-2**62, 2**62) if collatable else st.integers(-2**70, 2**70)
+    ints = st.integers(-(2**62), 2**62) if collatable else st.integers(-(2**70), 2**70)
     leaves = [
         st.tuples(st.just("int"), ints),
         st.tuples(st.just("float"), floats),
@@ -102,26 +135,36 @@ def _scalar_leaves(collatable):
 
 
 def spec_strategy(collatable: bool):
-    leaf = st.one_of(_tensor_leaf(collatable), _tensor_leaf(collatable), _ndarray_leaf(),
-                     _scalar_leaves(collatable))
+    leaf = st.one_of(
+        _tensor_leaf(collatable),
+        _tensor_leaf(collatable),
+        _ndarray_leaf(),
+        _scalar_leaves(collatable),
+    )
 
     def extend(child):
         keys = st.text(alphabet="abcxyz", min_size=1, max_size=3)
         return st.one_of(
-            st.lists(st.tuples(keys, child), max_size=3, unique_by=lambda kv: kv[0])
-            .map(lambda items: ("dict", tuple(items))),
+            st.lists(st.tuples(keys, child), max_size=3, unique_by=lambda kv: kv[0]).map(
+                lambda items: ("dict", tuple(items))
+            ),
             st.lists(child, max_size=3).map(lambda xs: ("tuple", tuple(xs))),
             st.lists(child, max_size=3).map(lambda xs: ("list", tuple(xs))),
             st.integers(1, 3).flatmap(
-                lambda k: st.tuples(st.just("nt"), st.just(k), st.tuples(*[child] * k))),
+                lambda k: st.tuples(st.just("nt"), st.just(k), st.tuples(*[child] * k))
+            ),
         )
 
     tree = st.recursive(leaf, extend, max_leaves=8)
     # Most samples also carry a few non-empty tensors and an array of random dtypes and
     # layouts next to the drawn tree, so that every example moves real bytes.
     nonempty = st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple)
-    payload = st.tuples(tree, _tensor_leaf(collatable, nonempty),
-                        _tensor_leaf(collatable, nonempty), _ndarray_leaf(nonempty))
+    payload = st.tuples(
+        tree,
+        _tensor_leaf(collatable, nonempty),
+        _tensor_leaf(collatable, nonempty),
+        _ndarray_leaf(nonempty),
+    )
     return st.one_of(payload.map(lambda xs: ("tuple", xs)), tree)
 
 
@@ -271,6 +314,8 @@ def _tensor_bits_for_any_strides():
         yield
     finally:
         D._tensor_bits = original
+
+
 # Mostly slots that hold every batch (so that batches come through the ring), also slots
 # sized by the loader from its first batches, and slots too small (spills).
 SLOT_CHOICES = [1 << 20, 1 << 20, None, 4096]
@@ -279,8 +324,12 @@ SLOT_CHOICES = [1 << 20, 1 << 20, None, 4096]
 def _both(spec, seed, n, batch_size, num_workers, collate_fn, slot_bytes):
     rearm_hang_guard()  # per example: 100 of them take minutes on a loaded machine
     ds = SpecMap(spec, seed, n)
-    kw = {"batch_size": batch_size, "num_workers": num_workers, "collate_fn": collate_fn,
-          "multiprocessing_context": "fork"}
+    kw = {
+        "batch_size": batch_size,
+        "num_workers": num_workers,
+        "collate_fn": collate_fn,
+        "multiprocessing_context": "fork",
+    }
     t_out = list(tud.DataLoader(ds, **kw))
     loader = ShmDataLoader(ds, slot_bytes=slot_bytes, **kw)
     s_out = list(loader)
@@ -291,31 +340,44 @@ def _both(spec, seed, n, batch_size, num_workers, collate_fn, slot_bytes):
         for b, (x, y) in enumerate(zip(t_out, s_out, strict=True)):
             D.assert_same(x, y, f"batch{b}")
     assert stats.batches == len(s_out)
-    assert (stats.slot_batches + stats.unsized_batches + stats.ring_full_batches
-            + stats.spilled_batches) == stats.batches, stats
+    assert (
+        stats.slot_batches + stats.unsized_batches + stats.ring_full_batches + stats.spilled_batches
+    ) == stats.batches, stats
     if slot_bytes == 1 << 20:
         assert stats.slot_batches >= 1, f"no batch went through the ring: {stats}"
     event(f"slot_bytes={slot_bytes}: {stats.slot_batches}/{stats.batches} batches via the ring")
 
 
-SETTINGS_A = {"deadline": None,
-              "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
+SETTINGS_A = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+}
 
 
 @settings(max_examples=100, **SETTINGS_A)
-@given(spec=spec_strategy(collatable=False), seed=st.integers(0, 2**32 - 1),
-       n=st.integers(1, 12), batch_size=st.integers(1, 5), num_workers=st.integers(1, 3),
-       collate=st.sampled_from(sorted(COLLATES)), slot_bytes=st.sampled_from(SLOT_CHOICES))
+@given(
+    spec=spec_strategy(collatable=False),
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 12),
+    batch_size=st.integers(1, 5),
+    num_workers=st.integers(1, 3),
+    collate=st.sampled_from(sorted(COLLATES)),
+    slot_bytes=st.sampled_from(SLOT_CHOICES),
+)
 @pytest.mark.slow
-def test_custom_collate_matches_torch(spec, seed, n, batch_size, num_workers, collate,
-                                      slot_bytes):
+def test_custom_collate_matches_torch(spec, seed, n, batch_size, num_workers, collate, slot_bytes):
     _both(spec, seed, n, batch_size, num_workers, COLLATES[collate], slot_bytes)
 
 
 @settings(max_examples=100, **SETTINGS_A)
-@given(spec=spec_strategy(collatable=True), seed=st.integers(0, 2**32 - 1),
-       n=st.integers(1, 12), batch_size=st.integers(1, 5), num_workers=st.integers(1, 3),
-       slot_bytes=st.sampled_from(SLOT_CHOICES))
+@given(
+    spec=spec_strategy(collatable=True),
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 12),
+    batch_size=st.integers(1, 5),
+    num_workers=st.integers(1, 3),
+    slot_bytes=st.sampled_from(SLOT_CHOICES),
+)
 @pytest.mark.slow
 def test_default_collate_matches_torch(spec, seed, n, batch_size, num_workers, slot_bytes):
     _both(spec, seed, n, batch_size, num_workers, None, slot_bytes)
@@ -332,11 +394,11 @@ CHILD_MEMORY_HEADROOM = 2 << 30  # a decoded garbage shape may ask for any amoun
 # input, so that byte flips that lead to the same bug are recognised too).
 DECODER_BUGS = {
     "K1-object-ndarray": "an 'n' reference with an object dtype becomes an object array "
-                         "over slot bytes; touching an element dereferences them as pointers",
+    "over slot bytes; touching an element dereferences them as pointers",
     "K2-ndarray-outside-slot": "an 'n' reference whose strides overflow numpy's extent check "
-                               "becomes an array reaching outside the slot",
+    "becomes an array reaching outside the slot",
     "K3-tensor-not-in-slot": "a 't' reference with count 0 and a non-empty shape becomes an "
-                             "uninitialised tensor outside the slot (torch.empty)",
+    "uninitialised tensor outside the slot (torch.empty)",
 }
 
 
@@ -378,54 +440,146 @@ def _redump(batch, refs):
 
 
 # ---- what to corrupt
-_BIG = [2**31 - 1, 2**31, 2**32, 2**53, 2**62, 2**63 - 1, 2**63, 2**64, 2**70,
-        -2**31, -2**62, -2**63, -2**63 - 1, -2**64]
+_BIG = [
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**53,
+    2**62,
+    2**63 - 1,
+    2**63,
+    2**64,
+    2**70,
+    -(2**31),
+    -(2**62),
+    -(2**63),
+    -(2**63) - 1,
+    -(2**64),
+]
 _NEAR_SLOT = [FUZZ_SLOT_BYTES + d for d in (-64, -16, -8, -4, -2, -1, 0, 1, 8, 4096)]
-_INTS = st.one_of(st.sampled_from([0, 1, 2, 3, 5, 7, 8, 63, 64, -1, -2, -3, -8, -64]),
-                  st.sampled_from(_BIG), st.sampled_from(_NEAR_SLOT),
-                  st.integers(-2**66, 2**66), st.integers(-100, FUZZ_SLOT_BYTES + 100))
-_JUNK_NOT_NONE = st.one_of(st.booleans(), st.floats(allow_nan=True), st.text(max_size=3),
-                           st.binary(max_size=3), st.just(()), st.just([1, 2]),
-                           st.just({"k": 1}), st.just(torch.float32), st.just(np.float32))
+_INTS = st.one_of(
+    st.sampled_from([0, 1, 2, 3, 5, 7, 8, 63, 64, -1, -2, -3, -8, -64]),
+    st.sampled_from(_BIG),
+    st.sampled_from(_NEAR_SLOT),
+    st.integers(-(2**66), 2**66),
+    st.integers(-100, FUZZ_SLOT_BYTES + 100),
+)
+_JUNK_NOT_NONE = st.one_of(
+    st.booleans(),
+    st.floats(allow_nan=True),
+    st.text(max_size=3),
+    st.binary(max_size=3),
+    st.just(()),
+    st.just([1, 2]),
+    st.just({"k": 1}),
+    st.just(torch.float32),
+    st.just(np.float32),
+)
 _JUNK = st.one_of(st.none(), _JUNK_NOT_NONE)
-_SHAPES = st.one_of(st.lists(_INTS, max_size=4).map(tuple),
-                    st.lists(st.integers(0, 8), max_size=4).map(tuple), _JUNK)
+_SHAPES = st.one_of(
+    st.lists(_INTS, max_size=4).map(tuple),
+    st.lists(st.integers(0, 8), max_size=4).map(tuple),
+    _JUNK,
+)
 _TORCH_DTYPE_VALUES = st.one_of(
-    st.sampled_from(TORCH_DTYPES + [torch.qint8, torch.quint8, torch.qint32, torch.quint4x2,
-                                    torch.quint2x4, torch.uint16, torch.uint32, torch.uint64,
-                                    torch.float8_e4m3fn, torch.complex32, torch.bits8]),
-    st.sampled_from(["float32", "<f4", "torch.float32"]), _JUNK)
+    st.sampled_from(
+        TORCH_DTYPES
+        + [
+            torch.qint8,
+            torch.quint8,
+            torch.qint32,
+            torch.quint4x2,
+            torch.quint2x4,
+            torch.uint16,
+            torch.uint32,
+            torch.uint64,
+            torch.float8_e4m3fn,
+            torch.complex32,
+            torch.bits8,
+        ]
+    ),
+    st.sampled_from(["float32", "<f4", "torch.float32"]),
+    _JUNK,
+)
 _NP_DTYPE_VALUES = st.one_of(
-    st.sampled_from(["<f4", ">f8", "|b1", "|u1", "<i8", "<c16", "<f2", "|V8", "|V0", "|S5",
-                     "<U3", "<M8[s]", "<m8[ns]", "|O", "O", "<f4 ", "", "f", "<f16",
-                     [("a", "<f4"), ("b", "<i8")], [("x", "<i4", (3,))], [("a", "O")],
-                     [("a", "<f8"), ("o", "O")],
-                     {"names": ["a"], "formats": ["<f8"], "offsets": [0], "itemsize": 16}]),
-    _JUNK)
+    st.sampled_from(
+        [
+            "<f4",
+            ">f8",
+            "|b1",
+            "|u1",
+            "<i8",
+            "<c16",
+            "<f2",
+            "|V8",
+            "|V0",
+            "|S5",
+            "<U3",
+            "<M8[s]",
+            "<m8[ns]",
+            "|O",
+            "O",
+            "<f4 ",
+            "",
+            "f",
+            "<f16",
+            [("a", "<f4"), ("b", "<i8")],
+            [("x", "<i4", (3,))],
+            [("a", "O")],
+            [("a", "<f8"), ("o", "O")],
+            {"names": ["a"], "formats": ["<f8"], "offsets": [0], "itemsize": 16},
+        ]
+    ),
+    _JUNK,
+)
 _FIELD_VALUES = {
-    ("t", 1): _INTS, ("t", 2): _TORCH_DTYPE_VALUES, ("t", 3): _SHAPES, ("t", 4): _SHAPES,
-    ("t", 5): _INTS, ("t", 6): st.one_of(st.booleans(), _JUNK),
+    ("t", 1): _INTS,
+    ("t", 2): _TORCH_DTYPE_VALUES,
+    ("t", 3): _SHAPES,
+    ("t", 4): _SHAPES,
+    ("t", 5): _INTS,
+    ("t", 6): st.one_of(st.booleans(), _JUNK),
     ("t", 7): st.one_of(st.tuples(_INTS, _INTS), st.tuples(_INTS), _JUNK),
-    ("n", 1): _INTS, ("n", 2): _NP_DTYPE_VALUES, ("n", 3): _SHAPES, ("n", 4): _SHAPES,
+    ("n", 1): _INTS,
+    ("n", 2): _NP_DTYPE_VALUES,
+    ("n", 3): _SHAPES,
+    ("n", 4): _SHAPES,
 }
 # Shape and strides of one length, small or huge dimensions and strides of any sign.
 _DIMS = st.one_of(st.integers(0, 9), st.sampled_from([2**31, 2**32 + 1, 2**61 + 1, 2**62, -1]))
 _SHAPE_STRIDES = st.integers(0, 3).flatmap(
-    lambda k: st.tuples(st.lists(_DIMS, min_size=k, max_size=k).map(tuple),
-                        st.lists(_INTS, min_size=k, max_size=k).map(tuple)))
+    lambda k: st.tuples(
+        st.lists(_DIMS, min_size=k, max_size=k).map(tuple),
+        st.lists(_INTS, min_size=k, max_size=k).map(tuple),
+    )
+)
 # Not None: a placer answering None means "not a slot leaf", and the leaf is then pickled
 # whole (torch's path), which is not corruption.
 _CRAFTED_REFS = st.one_of(
-    _JUNK_NOT_NONE, _INTS,
+    _JUNK_NOT_NONE,
+    _INTS,
     st.tuples(st.sampled_from(["t", "n", "x", "", "T"])),
-    st.builds(lambda *f: ("t", *f), _INTS, _TORCH_DTYPE_VALUES, _SHAPES, _SHAPES, _INTS,
-              st.booleans(), st.one_of(st.none(), st.tuples(_INTS, _INTS))),
+    st.builds(
+        lambda *f: ("t", *f),
+        _INTS,
+        _TORCH_DTYPE_VALUES,
+        _SHAPES,
+        _SHAPES,
+        _INTS,
+        st.booleans(),
+        st.one_of(st.none(), st.tuples(_INTS, _INTS)),
+    ),
     st.builds(lambda *f: ("n", *f), _INTS, _NP_DTYPE_VALUES, _SHAPES, _SHAPES),
-    st.builds(lambda off, dt, ss, count, rg, storage: ("t", off, dt, *ss, count, rg, storage),
-              _INTS, st.sampled_from(TORCH_DTYPES), _SHAPE_STRIDES, _INTS, st.booleans(),
-              st.one_of(st.none(), st.tuples(_INTS, _INTS))),
-    st.builds(lambda off, dt, ss: ("n", off, dt, *ss),
-              _INTS, _NP_DTYPE_VALUES, _SHAPE_STRIDES),
+    st.builds(
+        lambda off, dt, ss, count, rg, storage: ("t", off, dt, *ss, count, rg, storage),
+        _INTS,
+        st.sampled_from(TORCH_DTYPES),
+        _SHAPE_STRIDES,
+        _INTS,
+        st.booleans(),
+        st.one_of(st.none(), st.tuples(_INTS, _INTS)),
+    ),
+    st.builds(lambda off, dt, ss: ("n", off, dt, *ss), _INTS, _NP_DTYPE_VALUES, _SHAPE_STRIDES),
     st.lists(_INTS, max_size=8).map(lambda xs: ("t", *xs)),
     st.lists(_INTS, max_size=6).map(lambda xs: ("n", *xs)),
 )
@@ -470,7 +624,7 @@ def _apply_ref_edits(refs, edits, data):
             continue
         field = 1 + (field - 1) % (len(ref) - 1)
         value = data.draw(_FIELD_VALUES.get((ref[0], field), _INTS), label=f"ref[{i}][{field}]")
-        refs[i] = ref[:field] + (value,) + ref[field + 1:]
+        refs[i] = ref[:field] + (value,) + ref[field + 1 :]
         desc.append(f"ref[{i}][{field}] = {value!r}  (was {ref[field]!r})")
     return refs, desc
 
@@ -489,7 +643,7 @@ def _apply_byte_edits(meta, edits):
         elif edit[0] == "insert":
             meta[pos:pos] = edit[2]
         elif edit[0] == "delete":
-            del meta[pos:pos + edit[2]]
+            del meta[pos : pos + edit[2]]
         desc.append(f"{edit[0]} at {pos}: {edit[2:]!r}")
     return bytes(meta), desc
 
@@ -521,13 +675,22 @@ def _inspect(obj, lo, hi, depth=0, seen=None):
         st_hi = st_lo + obj.untyped_storage().nbytes()
         if ext[0] < lo or ext[1] > hi:
             if st_hi <= lo or st_lo >= hi:
-                problems.append(("K3-tensor-not-in-slot",
-                                 f"tensor {tuple(obj.shape)} {obj.dtype} at "
-                                 f"{ext[0] - lo:+d} from the slot, storage not in the slot"))
+                problems.append(
+                    (
+                        "K3-tensor-not-in-slot",
+                        f"tensor {tuple(obj.shape)} {obj.dtype} at "
+                        f"{ext[0] - lo:+d} from the slot, storage not in the slot",
+                    )
+                )
             else:
-                problems.append(("NEW", f"tensor {tuple(obj.shape)} stride {obj.stride()} "
-                                        f"{obj.dtype} spans [{ext[0] - lo}, {ext[1] - lo}) of a "
-                                        f"{hi - lo}-byte slot"))
+                problems.append(
+                    (
+                        "NEW",
+                        f"tensor {tuple(obj.shape)} stride {obj.stride()} "
+                        f"{obj.dtype} spans [{ext[0] - lo}, {ext[1] - lo}) of a "
+                        f"{hi - lo}-byte slot",
+                    )
+                )
         elif obj.numel() <= 1 << 20:
             obj.detach().clone()  # read every element through the strides
         return problems
@@ -539,9 +702,13 @@ def _inspect(obj, lo, hi, depth=0, seen=None):
         if ext is None:
             return []
         if ext[0] < lo or ext[1] > hi:
-            return [("K2-ndarray-outside-slot",
-                     f"ndarray {obj.shape} strides {obj.strides} {obj.dtype} spans "
-                     f"[{ext[0] - lo}, {ext[1] - lo}) of a {hi - lo}-byte slot")]
+            return [
+                (
+                    "K2-ndarray-outside-slot",
+                    f"ndarray {obj.shape} strides {obj.strides} {obj.dtype} spans "
+                    f"[{ext[0] - lo}, {ext[1] - lo}) of a {hi - lo}-byte slot",
+                )
+            ]
         if obj.size <= 1 << 20:
             obj.tobytes()
         return []
@@ -562,8 +729,7 @@ def _child(metas, lease, wfd, quiet):
             faulthandler.disable()  # an expected crash: no "Fatal Python error" noise
         _, hard = resource.getrlimit(resource.RLIMIT_DATA)
         with open("/proc/self/status") as f:
-            vmdata = next(int(line.split()[1]) * 1024 for line in f
-                          if line.startswith("VmData:"))
+            vmdata = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
         limit = vmdata + CHILD_MEMORY_HEADROOM
         if hard == resource.RLIM_INFINITY or limit < hard:
             resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
@@ -641,24 +807,35 @@ def _decode_in_child(metas, lease, quiet=False):
     elif os.WEXITSTATUS(status) == 3:
         raise AssertionError(f"the fuzz harness itself failed in case {started} (see stderr)")
     elif os.WEXITSTATUS(status) != 0 or len(statuses) != len(metas):
-        crash = (started, f"exit status {os.WEXITSTATUS(status)} after "
-                          f"{len(statuses)} of {len(metas)} cases")
+        crash = (
+            started,
+            f"exit status {os.WEXITSTATUS(status)} after {len(statuses)} of {len(metas)} cases",
+        )
     if time.monotonic() > deadline:
         crash = (started, f"hung for more than {CHILD_TIMEOUT_S} s")
     return statuses, crash
 
 
-@settings(max_examples=FUZZ_EXAMPLES, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(spec=spec_strategy(collatable=False), seed=st.integers(0, 2**32 - 1),
-       cases=st.lists(_CASE, min_size=1, max_size=12), data=st.data())
+@settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    spec=spec_strategy(collatable=False),
+    seed=st.integers(0, 2**32 - 1),
+    cases=st.lists(_CASE, min_size=1, max_size=12),
+    data=st.data(),
+)
 @pytest.mark.slow
 def test_decoder_survives_corrupt_metadata(fuzz_ring, spec, seed, cases, data):
     rearm_hang_guard()  # per example (a longer hunt needs no longer guard)
     # Two samples of the drawn structure, and always a tensor and an array to corrupt.
-    batch = {"samples": [build(spec, seed, i) for i in range(2)],
-             "t": build(("tensor", "float32", (2, 3), "contig", False), seed, 2),
-             "n": build(("ndarray", "int16", (3,), "contig"), seed, 3)}
+    batch = {
+        "samples": [build(spec, seed, i) for i in range(2)],
+        "t": build(("tensor", "float32", (2, 3), "contig", False), seed, 2),
+        "n": build(("ndarray", "int16", (3,), "contig"), seed, 3),
+    }
     lease, meta, refs = _real_meta(fuzz_ring, batch)
     try:
         assert _redump(batch, refs) == meta  # re-pickling with the same refs is exact
@@ -683,8 +860,10 @@ def test_decoder_survives_corrupt_metadata(fuzz_ring, spec, seed, cases, data):
         lease.release()
 
     def describe(i):
-        return (f"case {i}: edits {descs[i]}\n  meta ({len(metas[i])} bytes) = {metas[i]!r}\n"
-                f"  original refs: {refs!r}")
+        return (
+            f"case {i}: edits {descs[i]}\n  meta ({len(metas[i])} bytes) = {metas[i]!r}\n"
+            f"  original refs: {refs!r}"
+        )
 
     if crash is not None:
         i, what = crash
@@ -781,8 +960,9 @@ def test_decoder_refuses_ndarray_stride_overflow_reference(lease_of):
 
 def test_decoder_refuses_zero_count_tensor_reference(lease_of):
     # K3: count == 0 took the empty-tensor branch (torch.empty(shape)) whatever the shape.
-    _decode_and_touch(_one_ref_meta(("t", 0, torch.float32, (1000,), (1,), 0, False, None)),
-                      lease_of())
+    _decode_and_touch(
+        _one_ref_meta(("t", 0, torch.float32, (1000,), (1,), 0, False, None)), lease_of()
+    )
 
 
 def test_decoder_refuses_quantized_tensor_reference(lease_of):

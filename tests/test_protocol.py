@@ -1,6 +1,7 @@
 """The messages between the main process and its workers (shmloader/_protocol.py): every
 record's wire() builds a plain tuple (pickle's fast path) that the receiving side reads back
 into that record, field for field."""
+
 import inspect
 import pickle
 
@@ -9,15 +10,30 @@ import pytest
 from shmloader import _protocol
 from shmloader._protocol import Segment, from_main, from_worker
 
-TO_WORKER = [_protocol.RingFds, _protocol.UseLayout, _protocol.Task, _protocol.Rows,
-             _protocol.Probe, _protocol.Resume]
-TO_MAIN = [Segment, _protocol.Batch, _protocol.Error, _protocol.RowError,
-           _protocol.Described, _protocol.Stop, _protocol.Resumed]
+TO_WORKER = [
+    _protocol.RingFds,
+    _protocol.UseLayout,
+    _protocol.Task,
+    _protocol.Rows,
+    _protocol.Probe,
+    _protocol.Resume,
+]
+TO_MAIN = [
+    Segment,
+    _protocol.Batch,
+    _protocol.Error,
+    _protocol.RowError,
+    _protocol.Described,
+    _protocol.Stop,
+    _protocol.Resumed,
+]
 
 
-@pytest.mark.parametrize("record, read", [(r, from_main) for r in TO_WORKER]
-                         + [(r, from_worker) for r in TO_MAIN],
-                         ids=lambda x: getattr(x, "__name__", ""))
+@pytest.mark.parametrize(
+    "record, read",
+    [(r, from_main) for r in TO_WORKER] + [(r, from_worker) for r in TO_MAIN],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
 def test_wire_tuple_reads_back_as_its_record(record, read):
     names = list(inspect.signature(record.wire).parameters)
     sent = record.wire(*names)  # each field holds its own name

@@ -59,6 +59,7 @@ commit 0455b9e):
   * iterable_stateful_* at e0k0: the replay warning (that the dataset lacks state_dict())
     although it has one; the replay warning also points into shmloader/_iterator.py.
 """
+
 import collections
 import io
 import os
@@ -86,8 +87,13 @@ REPLAY = [s for s in SCENARIOS if s.startswith("iterable_replay")]
 
 
 def drive(*args, timeout=DRIVER_TIMEOUT_S):
-    return subprocess.run([sys.executable, "-m", "tests.resume_driver", *map(str, args)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "tests.resume_driver", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _load(path):
@@ -103,8 +109,11 @@ def matrix(tmp_path_factory):
     assert full.returncode == 0, full.stderr[-4000:]
     resume = drive("resume", out, names)
     assert resume.returncode == 0, resume.stderr[-4000:]
-    return dict(full=_load(out / "full.pkl"), resume=_load(out / "resume.pkl"),
-                stderr={"full": full.stderr, "resume": resume.stderr})
+    return dict(
+        full=_load(out / "full.pkl"),
+        resume=_load(out / "resume.pkl"),
+        stderr={"full": full.stderr, "resume": resume.stderr},
+    )
 
 
 # ------------------------------------------------------------------------------ comparing
@@ -148,7 +157,7 @@ def check_resumed(scen, ref, taken, point, resumed):
     k = point_k(point)
     mid_epoch = "k" in point
     if mid_epoch:
-        want = [ref[first][k:]] + ref[first + 1:]
+        want = [ref[first][k:]] + ref[first + 1 :]
     else:
         want = ref[first:]
     if scen["uses_global_rng"] and scen["user_rng"] == "seed":
@@ -165,8 +174,10 @@ def check_resumed(scen, ref, taken, point, resumed):
             if j == 0 and mid_epoch:
                 got_ms = got_ms + _multiset(taken[epoch][:k])
             if got_ms != want_ms:
-                return (f"epoch {epoch}: index batches differ as multisets "
-                        f"(extra {dict(got_ms - want_ms)}, missing {dict(want_ms - got_ms)})")
+                return (
+                    f"epoch {epoch}: index batches differ as multisets "
+                    f"(extra {dict(got_ms - want_ms)}, missing {dict(want_ms - got_ms)})"
+                )
             continue
         g, w = project(got_epoch, compare), project(want_epoch, compare)
         if g != w:
@@ -183,8 +194,11 @@ def expected_points(ref):
 
 def replay_warnings(entry):
     """(message, file the warning points at) of each replay warning."""
-    return [(w, f) for w, f in zip(entry["warnings"], entry["warning_files"])
-            if "IterableDataset" in w and "state_dict" in w]
+    return [
+        (w, f)
+        for w, f in zip(entry["warnings"], entry["warning_files"])
+        if "IterableDataset" in w and "state_dict" in w
+    ]
 
 
 # ------------------------------------------------------------------------------ the matrix
@@ -201,8 +215,9 @@ def test_state_dict_leaves_the_run_alone(matrix, name):
     if scen["compare"] == "multiset":
         assert [_multiset(e) for e in taken] == [_multiset(e) for e in ref]
     else:
-        assert [project(e, scen["compare"]) for e in taken] == \
-            [project(e, scen["compare"]) for e in ref]
+        assert [project(e, scen["compare"]) for e in taken] == [
+            project(e, scen["compare"]) for e in ref
+        ]
     assert sorted(full["points"]) == sorted(expected_points(ref))
     assert sorted(matrix["resume"][name]) == sorted(expected_points(ref))
 
@@ -220,8 +235,7 @@ def test_resume_in_a_fresh_process(matrix, name):
         why = check_resumed(scen, full["ref"], full["taken"], point, entry["epochs"])
         if why is not None:
             bad.append(f"{point}: {why}")
-    assert not bad, f"{len(bad)} of {len(matrix['resume'][name])} points differ:\n" + \
-        "\n".join(bad)
+    assert not bad, f"{len(bad)} of {len(matrix['resume'][name])} points differ:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("name", REPLAY)
@@ -252,8 +266,11 @@ def test_no_warning_where_nothing_is_replayed(matrix, name):
     # batch yet, so no dataset state was saved, and _resume_epoch / SingleProcessIter call
     # warn_replay (replaying 0 batches) and tell the user to add state_dict(), which the
     # dataset has.
-    noisy = {point: entry["warnings"] for point, entry in matrix["resume"][name].items()
-             if entry["warnings"]}
+    noisy = {
+        point: entry["warnings"]
+        for point, entry in matrix["resume"][name].items()
+        if entry["warnings"]
+    }
     assert not noisy
 
 
@@ -262,8 +279,7 @@ def test_driver_processes_are_quiet(matrix):
     # Before commit 2ef70b6 this caught, now and then, OSError EBUSY "releasing slot N (must
     # be READING)" from ShmLoaderIter.__del__ -> _shutdown_workers -> _discard.
     for which, err in matrix["stderr"].items():
-        assert "Traceback" not in err and "Exception ignored" not in err, \
-            f"{which}:\n{err[-3000:]}"
+        assert "Traceback" not in err and "Exception ignored" not in err, f"{which}:\n{err[-3000:]}"
 
 
 # ------------------------------------------------------------------------------ real exits
@@ -284,8 +300,11 @@ def test_interrupted_processes(matrix, tmp_path):
     procs = []
     for name, point in INTERRUPTS:
         cmd = [sys.executable, "-m", "tests.resume_driver", "interrupt", str(tmp_path), name, point]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     for (name, point), proc in zip(INTERRUPTS, procs):
         _, err = proc.communicate(timeout=DRIVER_TIMEOUT_S)
         assert proc.returncode == 0, f"{name} {point}: {err[-3000:]}"
@@ -301,8 +320,7 @@ def test_interrupted_processes(matrix, tmp_path):
         if entry["error"] is not None:
             bad.append(f"{name} {point}: raised {entry['error'].strip().splitlines()[-1]}")
             continue
-        why = check_resumed(D.SCENARIOS[name], full["ref"], full["taken"], point,
-                            entry["epochs"])
+        why = check_resumed(D.SCENARIOS[name], full["ref"], full["taken"], point, entry["epochs"])
         if why is not None:
             bad.append(f"{name} {point}: {why}")
     assert not bad, "\n".join(bad)
@@ -341,9 +359,17 @@ def _mid_epoch_state(make, k=2):
     return state
 
 
-@pytest.mark.parametrize("name", ["shuffle_gen_w0", "shuffle_gen_w2_persistent",
-                                  "stateful_sampler_w2", "iterable_stateful_w2",
-                                  "sample_seeded_w2", "unordered_w2"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "shuffle_gen_w0",
+        "shuffle_gen_w2_persistent",
+        "stateful_sampler_w2",
+        "iterable_stateful_w2",
+        "sample_seeded_w2",
+        "unordered_w2",
+    ],
+)
 def test_state_is_plain_and_loads_with_weights_only(name):
     state = _mid_epoch_state(D.SCENARIOS[name]["make"])
     assert isinstance(state.get("version"), int)
@@ -432,9 +458,13 @@ def test_replayed_epochs_end_state_keeps_each_workers_rng():
     import shmloader
 
     def make():
-        return shmloader.DataLoader(_RandomStream(), batch_size=2, num_workers=1,
-                                    persistent_workers=True,
-                                    generator=torch.Generator().manual_seed(0))
+        return shmloader.DataLoader(
+            _RandomStream(),
+            batch_size=2,
+            num_workers=1,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(0),
+        )
 
     reference = make()
     expected = [[b.tolist() for b in reference] for _ in range(2)]
@@ -471,8 +501,14 @@ def test_resume_after_a_drop_last_epoch_keeps_the_dropped_samples_draws(stateful
     dataset = _CountingStream() if stateful else _FiveDraws()
 
     def make(cls=shmloader.DataLoader):
-        return cls(dataset, batch_size=2, drop_last=True, num_workers=1, persistent_workers=True,
-                   generator=torch.Generator().manual_seed(0))
+        return cls(
+            dataset,
+            batch_size=2,
+            drop_last=True,
+            num_workers=1,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(0),
+        )
 
     reference = make(torch.utils.data.DataLoader)
     expected = [[b.tolist() for b in reference] for _ in range(2)]
@@ -566,8 +602,10 @@ def test_a_broken_sampler_state_dict_leaves_iteration_alone(num_workers):
 
     kw = dict(batch_size=2, num_workers=num_workers)
     dataset = [float(i) for i in range(8)]
-    want = [b.tolist() for b in
-            torch.utils.data.DataLoader(dataset, sampler=_SamplerWithBrokenState(8), **kw)]
+    want = [
+        b.tolist()
+        for b in torch.utils.data.DataLoader(dataset, sampler=_SamplerWithBrokenState(8), **kw)
+    ]
     loader = shmloader.DataLoader(dataset, sampler=_SamplerWithBrokenState(8), **kw)
     assert [b.tolist() for b in loader] == want
     with pytest.raises(RuntimeError, match="sampler's state_dict.. raised NotImplementedError"):
@@ -601,8 +639,13 @@ def test_state_at_the_end_of_an_epoch_needs_no_dataset_state(persistent):
     once exhausted does not fail it."""
     import shmloader
 
-    loader = shmloader.DataLoader(_StateOfItsIterator(), batch_size=2, drop_last=True,
-                                  num_workers=2, persistent_workers=persistent)
+    loader = shmloader.DataLoader(
+        _StateOfItsIterator(),
+        batch_size=2,
+        drop_last=True,
+        num_workers=2,
+        persistent_workers=persistent,
+    )
     assert len(list(loader)) == 4
     assert roundtrip(loader.state_dict())["epoch"] == 1
 
@@ -612,11 +655,14 @@ def _sampler_with_its_own_generator(num_workers, batch_sampler):
         import shmloader
 
         dataset = [float(i) for i in range(24)]
-        sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(7))
+        sampler = torch.utils.data.RandomSampler(
+            dataset, generator=torch.Generator().manual_seed(7)
+        )
         if batch_sampler:
             batches = torch.utils.data.BatchSampler(sampler, batch_size=4, drop_last=False)
             return shmloader.DataLoader(dataset, batch_sampler=batches, num_workers=num_workers)
         return shmloader.DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=num_workers)
+
     return make
 
 
@@ -654,10 +700,19 @@ def test_resume_at_an_epochs_end_after_the_loop_drew_from_the_generator(own):
     def make():
         g = torch.Generator().manual_seed(5)
         data = list(range(20))
-        kw = dict(sampler=torch.utils.data.RandomSampler(data, generator=g)) if own else \
-            dict(shuffle=True, generator=g)
-        return shmloader.DataLoader(data, batch_size=2, num_workers=2, persistent_workers=True,
-                                    prefetch_next_epoch=True, **kw), g
+        kw = (
+            dict(sampler=torch.utils.data.RandomSampler(data, generator=g))
+            if own
+            else dict(shuffle=True, generator=g)
+        )
+        return shmloader.DataLoader(
+            data,
+            batch_size=2,
+            num_workers=2,
+            persistent_workers=True,
+            prefetch_next_epoch=True,
+            **kw,
+        ), g
 
     def epoch_with_draws(loader, g):
         out = []
@@ -691,9 +746,14 @@ def test_resume_after_an_epoch_broken_off_with_persistent_workers():
     import shmloader
 
     def make():
-        return shmloader.DataLoader(_Augmented(), batch_size=2, shuffle=True, num_workers=2,
-                                    persistent_workers=True,
-                                    generator=torch.Generator().manual_seed(0))
+        return shmloader.DataLoader(
+            _Augmented(),
+            batch_size=2,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(0),
+        )
 
     def break_off(loader):
         for k, _ in enumerate(loader):
@@ -714,7 +774,6 @@ def test_resume_after_an_epoch_broken_off_with_persistent_workers():
     assert [got + [b.tolist() for b in resumed], [b.tolist() for b in resumed]] == expected
 
 
-
 @pytest.mark.parametrize("k", [1, 2])
 def test_resume_of_a_resume_at_an_epochs_end_with_persistent_workers(k):
     """A loader resumed from an epoch's end starts its persistent workers from the saved
@@ -723,9 +782,14 @@ def test_resume_of_a_resume_at_an_epochs_end_with_persistent_workers(k):
     import shmloader
 
     def make():
-        return shmloader.DataLoader(_Augmented(), batch_size=2, shuffle=True, num_workers=2,
-                                    persistent_workers=True,
-                                    generator=torch.Generator().manual_seed(0))
+        return shmloader.DataLoader(
+            _Augmented(),
+            batch_size=2,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(0),
+        )
 
     reference = make()
     expected = [[b.tolist() for b in reference] for _ in range(3)]
@@ -743,6 +807,7 @@ def test_resume_of_a_resume_at_an_epochs_end_with_persistent_workers(k):
     third.load_state_dict(mid_epoch)
     assert [got + [b.tolist() for b in third], [b.tolist() for b in third]] == expected[1:]
 
+
 @pytest.mark.parametrize("restart", ["num_slots", "worker_died"])
 def test_resume_after_a_persistent_iterator_started_afresh(restart):
     """A persistent loader whose iterator started afresh (an option changed, or a worker
@@ -751,9 +816,15 @@ def test_resume_after_a_persistent_iterator_started_afresh(restart):
     import shmloader
 
     def make(**kw):
-        return shmloader.DataLoader(_Augmented(), batch_size=2, shuffle=True, num_workers=2,
-                                    persistent_workers=True,
-                                    generator=torch.Generator().manual_seed(0), **kw)
+        return shmloader.DataLoader(
+            _Augmented(),
+            batch_size=2,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(0),
+            **kw,
+        )
 
     loader = make()
     list(loader)
@@ -806,8 +877,12 @@ def test_resume_after_a_failed_batch_keeps_its_draws():
     import shmloader
 
     def make():
-        return shmloader.DataLoader(_DrawsThenFails(), batch_size=2, num_workers=1,
-                                    generator=torch.Generator().manual_seed(0))
+        return shmloader.DataLoader(
+            _DrawsThenFails(),
+            batch_size=2,
+            num_workers=1,
+            generator=torch.Generator().manual_seed(0),
+        )
 
     def rest(it):
         return [[x.tolist() for x in batch] for batch in it]
@@ -883,6 +958,7 @@ def test_resume_after_a_failed_item_of_a_stateful_stream(num_workers):
     resumed.load_state_dict(state)
     assert got + _items_and_errors(iter(resumed)) == expected
 
+
 class _RandomStream(torch.utils.data.IterableDataset):
     def __iter__(self):
         for _ in range(4):
@@ -918,8 +994,7 @@ MISMATCHES = {
     "batch_size": (dict(batch_size=4), dict(batch_size=5)),
     "dataset_length": (dict(batch_size=4), dict(batch_size=4, n=D.N - 1)),
     "drop_last": (dict(batch_size=4), dict(batch_size=4, drop_last=True)),
-    "fetch": (dict(batch_size=4, num_workers=2), dict(batch_size=4, num_workers=2,
-                                                      fetch="sample")),
+    "fetch": (dict(batch_size=4, num_workers=2), dict(batch_size=4, num_workers=2, fetch="sample")),
     "num_workers": (dict(batch_size=4, num_workers=2), dict(batch_size=4, num_workers=1)),
     "sampler": (dict(batch_size=4, shuffle=True), dict(batch_size=4)),
     "batch_sampler": (dict(batch_size=4), dict(batch_sampler=[[0, 1, 2, 3]] * 3)),
@@ -929,8 +1004,10 @@ MISMATCHES = {
 @pytest.mark.parametrize("field", list(MISMATCHES) + ["num_workers_0_vs_2"])
 def test_mismatched_configuration_raises(field):
     if field == "num_workers_0_vs_2":
-        field, (saved, loading) = "num_workers", (dict(batch_size=4),
-                                                  dict(batch_size=4, num_workers=2))
+        field, (saved, loading) = (
+            "num_workers",
+            (dict(batch_size=4), dict(batch_size=4, num_workers=2)),
+        )
     else:
         saved, loading = MISMATCHES[field]
     state = _mid_epoch_state(lambda: _map_loader(**saved))
@@ -946,8 +1023,7 @@ def test_iterable_state_into_map_style_loader_raises():
 
 
 def test_num_workers_may_differ_with_seed_per_sample():
-    state = _mid_epoch_state(lambda: _map_loader(batch_size=4, num_workers=2,
-                                                 seed_per_sample=True))
+    state = _mid_epoch_state(lambda: _map_loader(batch_size=4, num_workers=2, seed_per_sample=True))
     loader = _map_loader(batch_size=4, num_workers=1, seed_per_sample=True)
     loader.load_state_dict(state)  # no error; resumed results: sample_seeded_w2_resumed_w1
 
@@ -966,13 +1042,27 @@ def test_not_a_state_raises(bad):
         _map_loader(batch_size=4).load_state_dict(bad)
 
 
-@pytest.mark.parametrize("key, value", [
-    ("config", None), ("epoch", -1), ("epoch", "0"), ("epoch_finished", 1),
-    ("batches_yielded", "x"), ("batches_yielded_beyond", None), ("base_seed", "s"),
-    ("generator_state", [1]), ("worker_states", None), ("worker_states", [{"random": 1}]),
-    ("epoch_start_worker_states", 3), ("persistent_workers", None), ("sampler_started", None),
-    ("epoch", None), ("config", "missing"), ("worker_states", "missing"),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("config", None),
+        ("epoch", -1),
+        ("epoch", "0"),
+        ("epoch_finished", 1),
+        ("batches_yielded", "x"),
+        ("batches_yielded_beyond", None),
+        ("base_seed", "s"),
+        ("generator_state", [1]),
+        ("worker_states", None),
+        ("worker_states", [{"random": 1}]),
+        ("epoch_start_worker_states", 3),
+        ("persistent_workers", None),
+        ("sampler_started", None),
+        ("epoch", None),
+        ("config", "missing"),
+        ("worker_states", "missing"),
+    ],
+)
 def test_malformed_state_is_value_error_naming_the_field(key, value):
     """A state edited or built by hand fails in load_state_dict, naming the field, never
     later (in iter(), or as a worker's death)."""
@@ -1027,8 +1117,9 @@ def test_yielded_batches_beyond_the_sampler_refused_only_where_it_runs_out(case,
     import shmloader
 
     def make(sampler):
-        return shmloader.DataLoader(D.AugMap(100), batch_size=2, sampler=sampler,
-                                    num_workers=num_workers)
+        return shmloader.DataLoader(
+            D.AugMap(100), batch_size=2, sampler=sampler, num_workers=num_workers
+        )
 
     sampler = _Curriculum() if case == "length-in-its-state" else _ShortLen()
     if case == "length-in-its-state":
@@ -1089,8 +1180,9 @@ class _FirstSampleLast(torch.utils.data.Dataset):
                 f.write(b"x")
         if i == 0:
             self.zeros += 1
-            while not (os.path.exists(self.fetched_7)
-                       and os.path.getsize(self.fetched_7) >= self.zeros):
+            while not (
+                os.path.exists(self.fetched_7) and os.path.getsize(self.fetched_7) >= self.zeros
+            ):
                 time.sleep(0.01)
         return torch.tensor([float(i)])
 
@@ -1101,8 +1193,13 @@ def test_load_into_a_used_persistent_loader_frees_the_batches_waiting_their_turn
     batch through the ring, with no ring-full warning, even while that iterator is referenced."""
     import shmloader
 
-    loader = shmloader.DataLoader(_FirstSampleLast(str(tmp_path / "fetched_7")), batch_size=1,
-                                  num_workers=2, prefetch_factor=4, persistent_workers=True)
+    loader = shmloader.DataLoader(
+        _FirstSampleLast(str(tmp_path / "fetched_7")),
+        batch_size=1,
+        num_workers=2,
+        prefetch_factor=4,
+        persistent_workers=True,
+    )
     state = roundtrip(loader.state_dict())
     expected = [b.tolist() for b in loader]  # (the ring is sized by this epoch's first batch)
     it = iter(loader)
@@ -1117,41 +1214,63 @@ def test_load_into_a_used_persistent_loader_frees_the_batches_waiting_their_turn
 
 def _set_in(path, value):
     """A change to one field of a state, at `path` (keys and indices)."""
+
     def change(state):
         *outer, last = path
         for key in outer:
             state = state[key]
         state[last] = value
+
     return change
 
 
-@pytest.mark.parametrize("field, change", [
-    ("worker_states[0]", _set_in(["worker_states", 0, "torch"], torch.zeros(3, dtype=torch.uint8))),
-    ("worker_states[0]", _set_in(["worker_states", 0, "numpy", "keys"], b"12")),
-    ("worker_states[0]", _set_in(["worker_states", 0, "random", "internal"], b"12")),
-    ("epoch_start_worker_states[0]", _set_in(["epoch_start_worker_states", 0],
-                                             {"random": {"version": 3, "internal": b"", "gauss": None},
-                                              "numpy": {}, "torch": torch.zeros(1), "dataset": None})),
-    ("torch_rng_state", _set_in(["torch_rng_state"], torch.zeros(3, dtype=torch.uint8))),
-    ("generator_state", _set_in(["generator_state"], torch.zeros(3, dtype=torch.uint8))),
-    ("base_seed", _set_in(["base_seed"], 2 ** 70)),
-    ("base_seed", _set_in(["base_seed"], -5)),
-    ("worker_states", _set_in(["worker_states"], [])),
-    ("worker_states", _set_in(["worker_states"], [None])),
-    ("batches_yielded_by_worker", _set_in(["batches_yielded_by_worker"], [[0, []]])),
-    ("batches_yielded_by_worker", _set_in(["batches_yielded_by_worker", 0], [1, [1]])),
-    ("batches_yielded_beyond", _set_in(["batches_yielded_beyond"], [0])),
-    ("batches_yielded_beyond", _set_in(["batches_yielded_beyond"], [5, 5])),
-    ("num_workers", _set_in(["config", "num_workers"], "2")),
-])
+@pytest.mark.parametrize(
+    "field, change",
+    [
+        (
+            "worker_states[0]",
+            _set_in(["worker_states", 0, "torch"], torch.zeros(3, dtype=torch.uint8)),
+        ),
+        ("worker_states[0]", _set_in(["worker_states", 0, "numpy", "keys"], b"12")),
+        ("worker_states[0]", _set_in(["worker_states", 0, "random", "internal"], b"12")),
+        (
+            "epoch_start_worker_states[0]",
+            _set_in(
+                ["epoch_start_worker_states", 0],
+                {
+                    "random": {"version": 3, "internal": b"", "gauss": None},
+                    "numpy": {},
+                    "torch": torch.zeros(1),
+                    "dataset": None,
+                },
+            ),
+        ),
+        ("torch_rng_state", _set_in(["torch_rng_state"], torch.zeros(3, dtype=torch.uint8))),
+        ("generator_state", _set_in(["generator_state"], torch.zeros(3, dtype=torch.uint8))),
+        ("base_seed", _set_in(["base_seed"], 2**70)),
+        ("base_seed", _set_in(["base_seed"], -5)),
+        ("worker_states", _set_in(["worker_states"], [])),
+        ("worker_states", _set_in(["worker_states"], [None])),
+        ("batches_yielded_by_worker", _set_in(["batches_yielded_by_worker"], [[0, []]])),
+        ("batches_yielded_by_worker", _set_in(["batches_yielded_by_worker", 0], [1, [1]])),
+        ("batches_yielded_beyond", _set_in(["batches_yielded_beyond"], [0])),
+        ("batches_yielded_beyond", _set_in(["batches_yielded_beyond"], [5, 5])),
+        ("num_workers", _set_in(["config", "num_workers"], "2")),
+    ],
+)
 def test_a_state_whose_rng_states_or_counts_were_changed_is_refused(field, change):
     """Values that fit their field's type but not the state (an RNG state of the wrong size,
     a seed torch never draws, per-worker lists of another length, yielded batches listed
     twice) are a ValueError naming the field at load_state_dict, not a worker's death whose
     cause only its stderr shows, nor a resume with fresh seeds."""
+
     def make():
-        return _map_loader(batch_size=4, num_workers=2, seed_per_sample=field == "num_workers",
-                           generator=torch.Generator().manual_seed(0))
+        return _map_loader(
+            batch_size=4,
+            num_workers=2,
+            seed_per_sample=field == "num_workers",
+            generator=torch.Generator().manual_seed(0),
+        )
 
     state = _mid_epoch_state(make)
     change(state)
@@ -1163,9 +1282,14 @@ def test_a_live_persistent_iterator_goes_on_after_load_state_dict():
     """As torchdata's StatefulDataLoader: load_state_dict lets the loader's persistent
     iterator go without ending it, so a loop still using it gets the rest of its epoch
     (not a silent early end), and the next iter() resumes the loaded state."""
+
     def make():
-        return _map_loader(batch_size=4, num_workers=2, persistent_workers=True,
-                           generator=torch.Generator().manual_seed(0))
+        return _map_loader(
+            batch_size=4,
+            num_workers=2,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(0),
+        )
 
     loader = make()
     it = iter(loader)
@@ -1185,9 +1309,11 @@ def test_a_live_persistent_iterator_goes_on_after_load_state_dict():
 def test_state_dict_describes_the_newest_of_two_live_iterators(num_workers):
     """Two live iterators of one loader (torch allows it without persistent workers) are
     independent: the older one's batches and its end do not count in the newer one's state."""
+
     def make():
-        return _map_loader(batch_size=4, num_workers=num_workers,
-                           generator=torch.Generator().manual_seed(0))
+        return _map_loader(
+            batch_size=4, num_workers=num_workers, generator=torch.Generator().manual_seed(0)
+        )
 
     loader = make()
     older = iter(loader)

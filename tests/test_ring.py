@@ -1,5 +1,6 @@
 """The C ring through its Cython wrapper: states, checks, and a multi-process
 stress run that verifies every payload."""
+
 import errno
 import fcntl
 import multiprocessing as mp
@@ -193,8 +194,10 @@ def test_a_memfd_rings_size_is_sealed_and_only_its_owner_may_map_it():
     whoever touches the lost pages), nor grow it; only this user can open it."""
     ring = Ring.create_memfd("shmloader-test", 2, 4096)
     fd = ring.fds[0]
-    assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) == \
-        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    assert (
+        fcntl.fcntl(fd, fcntl.F_GET_SEALS) & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        == fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    )
     for size in (0, ring.total_bytes - 4096, ring.total_bytes + 4096):
         with pytest.raises(PermissionError):
             os.ftruncate(fd, size)
@@ -321,12 +324,15 @@ def test_stress_many_processes_every_payload_checked():
 
 # Header fields, at the offsets drawn in csrc/shmring.c: magic u64 @0, version u32 @8,
 # nslots u32 @12, ..., owner_uid u32 @40.
-@pytest.mark.parametrize("offset,value,err", [
-    (0, b"NOTARING", errno.EBADMSG),
-    (8, (99).to_bytes(4, "little"), errno.EPROTO),
-    (12, (5).to_bytes(4, "little"), errno.EBADMSG),
-    (40, (os.geteuid() + 1).to_bytes(4, "little"), errno.EPERM),
-])
+@pytest.mark.parametrize(
+    "offset,value,err",
+    [
+        (0, b"NOTARING", errno.EBADMSG),
+        (8, (99).to_bytes(4, "little"), errno.EPROTO),
+        (12, (5).to_bytes(4, "little"), errno.EBADMSG),
+        (40, (os.geteuid() + 1).to_bytes(4, "little"), errno.EPERM),
+    ],
+)
 def test_attach_rejects_tampered_header(offset, value, err):
     ring = Ring.create_in("/dev/shm", 4, 10000)
     fd, efd = ring.fds
@@ -381,12 +387,18 @@ def test_misaligned_slot_reference_is_refused():
     slot = ring.claim()
     ring.publish(slot, 1, 0, 0)
     lease = ring.acquire()
-    bad = _layout.dumps([torch.zeros(1, dtype=torch.complex128)], lambda leaves: [(
-        "t", 1, torch.complex128, (1,), (1,), 1, False, None)], 1)
+    bad = _layout.dumps(
+        [torch.zeros(1, dtype=torch.complex128)],
+        lambda leaves: [("t", 1, torch.complex128, (1,), (1,), 1, False, None)],
+        1,
+    )
     with pytest.raises(pickle.UnpicklingError, match="not aligned"):
         _layout.loads(bad, lease)
-    good = _layout.dumps([torch.zeros(1, dtype=torch.complex128)], lambda leaves: [(
-        "t", 64, torch.complex128, (1,), (1,), 1, False, None)], 1)
+    good = _layout.dumps(
+        [torch.zeros(1, dtype=torch.complex128)],
+        lambda leaves: [("t", 64, torch.complex128, (1,), (1,), 1, False, None)],
+        1,
+    )
     assert _layout.loads(good, lease)[0][0].dtype == torch.complex128
 
 
@@ -402,9 +414,17 @@ def test_leaves_sharing_a_storage_reference_share_it_and_stay_inside_it():
     lease = ring.acquire()
 
     def decode(*refs):
-        return _layout.loads(_layout.dumps([torch.zeros(1) for _ in refs], lambda leaves: [
-            ("t", off, torch.float32, shape, (1,), shape[0], False, storage)
-            for off, shape, storage in refs], 1), lease)[0]
+        return _layout.loads(
+            _layout.dumps(
+                [torch.zeros(1) for _ in refs],
+                lambda leaves: [
+                    ("t", off, torch.float32, shape, (1,), shape[0], False, storage)
+                    for off, shape, storage in refs
+                ],
+                1,
+            ),
+            lease,
+        )[0]
 
     a, b = decode((64, (8,), (64, 32)), (80, (4,), (64, 32)))
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
@@ -433,8 +453,13 @@ def test_small_leaf_reference_reads_only_its_slot(alone):
     np.frombuffer(lease, dtype=np.uint8)[:] = np.arange(4096) % 251
 
     def meta(offset):
-        return _layout.dumps([torch.zeros(1)], lambda leaves: [(
-            "t", offset, torch.uint8, (2, 4), (1, 2), 8, False, None if alone else (offset, 8))], 1)
+        return _layout.dumps(
+            [torch.zeros(1)],
+            lambda leaves: [
+                ("t", offset, torch.uint8, (2, 4), (1, 2), 8, False, None if alone else (offset, 8))
+            ],
+            1,
+        )
 
     leaf = _layout.loads(meta(64), lease)[0][0]
     assert leaf.stride() == (1, 2)

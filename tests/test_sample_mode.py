@@ -9,6 +9,7 @@ the test_equivalence harness (same seeds, fresh generators per run, every batch 
 main-process RNG state and warnings compared).  Datasets here never depend on which worker
 fetched a sample: with fetch="sample" that differs from torch by design.
 """
+
 import functools
 import gc
 import math
@@ -62,9 +63,13 @@ SCENARIOS = {
     "numeric-bs3-keeplast-w3": (P(D.NumericMap, 11), dict(batch_size=3, drop_last=False, **W3)),
     "numeric-bs4-w1": (P(D.NumericMap, 9), dict(batch_size=4, num_workers=1)),
     "numeric-shuffle-generator-w2": (
-        P(D.NumericMap, 10), dict(batch_size=4, shuffle=True, generator=gen(5), epochs=2, **W2)),
+        P(D.NumericMap, 10),
+        dict(batch_size=4, shuffle=True, generator=gen(5), epochs=2, **W2),
+    ),
     "index-shuffle-global-rng-w1": (
-        P(D.IndexMap, 13), dict(batch_size=4, shuffle=True, epochs=2, num_workers=1)),
+        P(D.IndexMap, 13),
+        dict(batch_size=4, shuffle=True, epochs=2, num_workers=1),
+    ),
     "bare-int-w3": (P(D.ScalarMap, 11), dict(batch_size=4, **W3)),
     "bare-noncontiguous-tensor-w2": (P(D.TensorMap, 9), dict(batch_size=4, **W2)),
     # Regression (fixed): batch_size=1 raises OSError [Errno 22] "starting rows of slot 0 (must be
@@ -73,44 +78,85 @@ SCENARIOS = {
     # (see test_first_batch_of_one_sample below).
     "bs1-w2": (P(D.NumericMap, 5), dict(batch_size=1, **W2)),
     "bs-larger-than-dataset-w2": (P(D.IndexMap, 3), dict(batch_size=8, **W2)),
-    "bs-larger-than-dataset-droplast-w2": (P(D.IndexMap, 3), dict(batch_size=8, drop_last=True, **W2)),
+    "bs-larger-than-dataset-droplast-w2": (
+        P(D.IndexMap, 3),
+        dict(batch_size=8, drop_last=True, **W2),
+    ),
     "prefetch1-w2": (P(D.IndexMap, 12), dict(batch_size=2, prefetch_factor=1, **W2)),
-    "sampler-list-repeats-w2": (P(D.IndexMap, 10), dict(batch_size=3, sampler=[7, 3, 3, 0, 9, 9, 1], **W2)),
+    "sampler-list-repeats-w2": (
+        P(D.IndexMap, 10),
+        dict(batch_size=3, sampler=[7, 3, 3, 0, 9, 9, 1], **W2),
+    ),
     "sampler-random-replacement-generator-w2": (
         P(D.IndexMap, 10),
-        dict(batch_size=4, sampler=Fresh(lambda: tud.RandomSampler(
-            range(10), replacement=True, num_samples=15,
-            generator=torch.Generator().manual_seed(4))), epochs=2, **W2)),
+        dict(
+            batch_size=4,
+            sampler=Fresh(
+                lambda: tud.RandomSampler(
+                    range(10),
+                    replacement=True,
+                    num_samples=15,
+                    generator=torch.Generator().manual_seed(4),
+                )
+            ),
+            epochs=2,
+            **W2,
+        ),
+    ),
     # custom batch samplers: batches larger than the first one (which fixed the rows of a slot)
     # must still be delivered whole and right, and smaller ones too
     "batch-sampler-growing-w2": (
-        P(D.NumericMap, 14), dict(batch_sampler=D.VaryingBatchSampler(14, [2, 5, 1, 3]), **W2)),
+        P(D.NumericMap, 14),
+        dict(batch_sampler=D.VaryingBatchSampler(14, [2, 5, 1, 3]), **W2),
+    ),
     "batch-sampler-shrinking-w3": (
-        P(D.NumericMap, 14), dict(batch_sampler=D.VaryingBatchSampler(14, [5, 2, 1, 6]), **W3)),
+        P(D.NumericMap, 14),
+        dict(batch_sampler=D.VaryingBatchSampler(14, [5, 2, 1, 6]), **W3),
+    ),
     "batch-sampler-lists-w2": (
         P(D.IndexMap, 20),
-        dict(batch_sampler=[[3, 0], [1, 2, 4, 5, 6, 13], [19], [7, 8, 9, 10, 11]], **W2)),
-    "batch-sampler-iterators-w2": (P(D.IndexMap, 12), dict(batch_sampler=D.IteratorBatchSampler(), **W2)),
+        dict(batch_sampler=[[3, 0], [1, 2, 4, 5, 6, 13], [19], [7, 8, 9, 10, 11]], **W2),
+    ),
+    "batch-sampler-iterators-w2": (
+        P(D.IndexMap, 12),
+        dict(batch_sampler=D.IteratorBatchSampler(), **W2),
+    ),
     "batch-sampler-varying-w1": (
-        P(D.IndexMap, 10), dict(batch_sampler=D.VaryingBatchSampler(10, [2, 3, 1]), num_workers=1)),
+        P(D.IndexMap, 10),
+        dict(batch_sampler=D.VaryingBatchSampler(10, [2, 3, 1]), num_workers=1),
+    ),
     # persistent workers over several epochs (the layout and ring are kept, rows rewritten)
     "persistent-numeric-3ep-w2": (
         P(D.NumericMap, 10),
-        dict(batch_size=3, shuffle=True, generator=gen(9), persistent_workers=True, epochs=3, **W2)),
+        dict(batch_size=3, shuffle=True, generator=gen(9), persistent_workers=True, epochs=3, **W2),
+    ),
     "persistent-index-3ep-w3": (
-        P(D.IndexMap, 14), dict(batch_size=4, shuffle=True, persistent_workers=True, epochs=3, **W3)),
+        P(D.IndexMap, 14),
+        dict(batch_size=4, shuffle=True, persistent_workers=True, epochs=3, **W3),
+    ),
     "persistent-batch-sampler-2ep-w2": (
         P(D.IndexMap, 12),
-        dict(batch_sampler=D.VaryingBatchSampler(12, [2, 4, 1]), persistent_workers=True, epochs=2,
-             **W2)),
+        dict(
+            batch_sampler=D.VaryingBatchSampler(12, [2, 4, 1]),
+            persistent_workers=True,
+            epochs=2,
+            **W2,
+        ),
+    ),
     "nonpersistent-2ep-w2": (
-        P(D.NumericMap, 7), dict(batch_size=3, shuffle=True, generator=gen(2), epochs=2, **W2)),
+        P(D.NumericMap, 7),
+        dict(batch_size=3, shuffle=True, generator=gen(2), epochs=2, **W2),
+    ),
     # torch's Subset and StackDataset have __getitems__, which only passes a batch on to
     # datasets of theirs that have one: over plain datasets, sample by sample is the same
-    "subset-w2": (lambda: tud.Subset(D.NumericMap(12), [11, 0, 5, 3, 7, 2, 9]),
-                  dict(batch_size=3, **W2)),
-    "stack-dataset-w2": (lambda: tud.StackDataset(a=D.IndexMap(9), b=D.NumericMap(9)),
-                         dict(batch_size=4, **W2)),
+    "subset-w2": (
+        lambda: tud.Subset(D.NumericMap(12), [11, 0, 5, 3, 7, 2, 9]),
+        dict(batch_size=3, **W2),
+    ),
+    "stack-dataset-w2": (
+        lambda: tud.StackDataset(a=D.IndexMap(9), b=D.NumericMap(9)),
+        dict(batch_size=4, **W2),
+    ),
     # num_workers=0 is torch's own path whatever fetch says
     "w0": (P(D.NumericMap, 7), dict(batch_size=3, shuffle=True, generator=gen(1))),
 }
@@ -130,9 +176,18 @@ def test_same_output_as_torch(name, assignment):
     "make_dataset, kw",
     [
         pytest.param(P(D.JitterMap, 20), dict(batch_size=2, **W2), id="jitter-w2"),
-        pytest.param(P(D.IndexMap, 14), dict(batch_size=3, shuffle=True, generator=gen(3),
-                                             persistent_workers=True, epochs=2, **W3),
-                     id="shuffle-persistent-w3"),
+        pytest.param(
+            P(D.IndexMap, 14),
+            dict(
+                batch_size=3,
+                shuffle=True,
+                generator=gen(3),
+                persistent_workers=True,
+                epochs=2,
+                **W3,
+            ),
+            id="shuffle-persistent-w3",
+        ),
     ],
 )
 def test_in_order_false_same_multiset(make_dataset, kw, assignment):
@@ -143,8 +198,14 @@ def test_in_order_false_same_multiset(make_dataset, kw, assignment):
 
 @pytest.mark.slow
 def test_spawn_context_same_output():
-    kw = dict(batch_size=4, shuffle=True, generator=gen(3), num_workers=2, persistent_workers=True,
-              epochs=2)
+    kw = dict(
+        batch_size=4,
+        shuffle=True,
+        generator=gen(3),
+        num_workers=2,
+        persistent_workers=True,
+        epochs=2,
+    )
     # Torch's batches do not depend on the start method for this dataset: fork keeps it cheap.
     t = run(TorchDataLoader, P(D.NumericMap, 7), **kw)
     s = run(sample_loader("interleaved"), P(D.NumericMap, 7), multiprocessing_context="spawn", **kw)
@@ -165,21 +226,32 @@ def test_rows_are_written_in_place_not_collated_by_one_worker():
     (fetch="batch" gives every sample of batch k to worker k % num_workers)."""
     nw, bs = 3, 4
     seed_all(SEED)
-    sample = list(ShmDataLoader(D.WhoMap(14), batch_size=bs, shuffle=True, num_workers=nw,
-                                fetch="sample", assignment="interleaved"))
+    sample = list(
+        ShmDataLoader(
+            D.WhoMap(14),
+            batch_size=bs,
+            shuffle=True,
+            num_workers=nw,
+            fetch="sample",
+            assignment="interleaved",
+        )
+    )
     positions = [(p, int(w)) for p, w in enumerate(torch.cat([b["wid"] for b in sample]).tolist())]
     assert [w for _, w in positions] == [p % nw for p, _ in positions]
     seed_all(SEED)
     batch = list(ShmDataLoader(D.WhoMap(14), batch_size=bs, shuffle=True, num_workers=nw))
-    assert [b["wid"].tolist() for b in batch] == [[k % nw] * len(b["i"]) for k, b in enumerate(batch)]
+    assert [b["wid"].tolist() for b in batch] == [
+        [k % nw] * len(b["i"]) for k, b in enumerate(batch)
+    ]
     # the same samples in the same order either way
     assert [b["i"].tolist() for b in sample] == [b["i"].tolist() for b in batch]
 
 
 def test_dynamic_assignment_fetches_every_sample_once():
     seed_all(SEED)
-    loader = ShmDataLoader(D.WhoMap(30), batch_size=4, num_workers=3, fetch="sample",
-                           assignment="dynamic")
+    loader = ShmDataLoader(
+        D.WhoMap(30), batch_size=4, num_workers=3, fetch="sample", assignment="dynamic"
+    )
     got = list(loader)
     assert torch.cat([b["i"] for b in got]).tolist() == list(range(30))
     assert set(torch.cat([b["wid"] for b in got]).tolist()) <= {0, 1, 2}
@@ -191,8 +263,9 @@ def test_kept_batches_never_change():
     """Rows are written into slots: a batch the user keeps must not be overwritten by later
     batches (list(loader) holds more batches than the ring has slots)."""
     seed_all(SEED)
-    loader = ShmDataLoader(D.NumericMap(24), batch_size=2, num_workers=2, fetch="sample",
-                           persistent_workers=True)
+    loader = ShmDataLoader(
+        D.NumericMap(24), batch_size=2, num_workers=2, fetch="sample", persistent_workers=True
+    )
     first = list(loader)
     expected = list(tud.DataLoader(D.NumericMap(24), batch_size=2))
     second = list(loader)
@@ -298,8 +371,7 @@ def test_getitem_error_like_torch(bad, exc, persistent, assignment):
 
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
 @pytest.mark.parametrize("bad, raises", [(4, 6), (6, 4)], ids=["mismatch-first", "raise-first"])
-def test_a_samples_error_wins_over_another_rows_layout_mismatch_like_torch(bad, raises,
-                                                                            assignment):
+def test_a_samples_error_wins_over_another_rows_layout_mismatch_like_torch(bad, raises, assignment):
     """torch fetches every sample of a batch before it collates: a sample that raises is the
     batch's error even when an earlier row does not fit the layout."""
     make = P(D.MismatchMap, 12, bad=bad, kind="shape", raises=raises)
@@ -326,8 +398,13 @@ def test_layout_mismatch_is_that_batch_error(kind, assignment):
     """A sample whose field differs in shape or dtype from the first sample's: SampleLayoutError
     (a RuntimeError) naming the field, the expected and the actual dtype/shape, as the error of
     the batch holding it; the batches before and after are right."""
-    loader = ShmDataLoader(D.MismatchMap(12, bad=5, kind=kind), batch_size=4, num_workers=2,
-                           fetch="sample", assignment=assignment)
+    loader = ShmDataLoader(
+        D.MismatchMap(12, bad=5, kind=kind),
+        batch_size=4,
+        num_workers=2,
+        fetch="sample",
+        assignment=assignment,
+    )
     want = list(tud.DataLoader(D.MismatchMap(12, bad=-1), batch_size=4))
     got = []
     it = iter(loader)
@@ -352,11 +429,24 @@ def test_layout_mismatch_is_that_batch_error(kind, assignment):
     assert re.search(r"Caught SampleLayoutError in DataLoader worker process \d", message)
 
 
-STRUCTURE_KINDS = ["key-order", "other-key", "int-vs-list", "nesting", "tensor-vs-int",
-                   "namedtuple-vs-tuple", "dict-attribute", "tensor-subclass",
-                   "numpy-negative-strides", "quantized", "bits8", "slots-sequence-shrinks",
-                   "slots-attribute", "mangled-slot-attribute", "defaultdict-factory",
-                   "key-types"]
+STRUCTURE_KINDS = [
+    "key-order",
+    "other-key",
+    "int-vs-list",
+    "nesting",
+    "tensor-vs-int",
+    "namedtuple-vs-tuple",
+    "dict-attribute",
+    "tensor-subclass",
+    "numpy-negative-strides",
+    "quantized",
+    "bits8",
+    "slots-sequence-shrinks",
+    "slots-attribute",
+    "mangled-slot-attribute",
+    "defaultdict-factory",
+    "key-types",
+]
 # Leaves torch cannot batch at all: the same error as torch's, every batch.
 TORCH_REFUSES = {"numpy-negative-strides", "quantized", "bits8"}
 
@@ -382,7 +472,8 @@ def test_samples_unlike_the_first_never_give_other_data(kind):
                 refused += 1
             else:
                 assert not (isinstance(e, tuple) and isinstance(e[0], type)), (
-                    f"batch {b}: a batch where torch raised {e}")
+                    f"batch {b}: a batch where torch raised {e}"
+                )
                 D.assert_same(e, g, f"{assignment} batch {b}")
         assert refused, "every sample fit the first one's layout: the case tests nothing"
 
@@ -408,9 +499,16 @@ def test_a_first_sample_of_a_tensor_subclass_is_refused_saying_what_to_return():
     assert "ToPureTensor()" in str(caught.value)
 
 
-@pytest.mark.parametrize("kind", ["same-attribute-numpy", "same-attribute-nan",
-                                  "same-attribute-tensor", "same-attribute-object",
-                                  "same-attribute-shared"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "same-attribute-numpy",
+        "same-attribute-nan",
+        "same-attribute-tensor",
+        "same-attribute-object",
+        "same-attribute-shared",
+    ],
+)
 def test_container_attributes_equal_in_every_sample_are_torchs(kind):
     """A dict subclass whose attribute is the same in every sample (an array, NaN, a tensor, a
     shared object without __eq__) is what torch's batches carry: no error."""
@@ -431,8 +529,9 @@ def test_container_attributes_equal_in_every_sample_are_torchs(kind):
 
 
 def test_extra_field_is_that_batch_error():
-    loader = ShmDataLoader(D.MismatchMap(12, bad=6, kind="fields"), batch_size=4, num_workers=2,
-                           fetch="sample")
+    loader = ShmDataLoader(
+        D.MismatchMap(12, bad=6, kind="fields"), batch_size=4, num_workers=2, fetch="sample"
+    )
     it = iter(loader)
     assert next(it)["meta"]["label"].tolist() == [0, 1, 2, 3]
     with pytest.raises(SampleLayoutError, match=r"\['meta'\] has keys \['label', 'box', 'more'\]"):
@@ -464,8 +563,9 @@ def test_text_in_samples_is_refused(kind):
 
 
 def test_text_in_later_sample_is_that_batch_error():
-    loader = ShmDataLoader(D.MismatchMap(12, bad=9, kind="text"), batch_size=4, num_workers=2,
-                           fetch="sample")
+    loader = ShmDataLoader(
+        D.MismatchMap(12, bad=9, kind="text"), batch_size=4, num_workers=2, fetch="sample"
+    )
     it = iter(loader)
     assert next(it)["image"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert next(it)["image"][:, 0].tolist() == [4.0, 5.0, 6.0, 7.0]
@@ -477,22 +577,35 @@ def test_text_in_later_sample_is_that_batch_error():
 
 # --------------------------------------------------------------------------- construction
 INVALID = {
-    "iterable-dataset": (P(D.ShardedIterable, 6), dict(batch_size=2, num_workers=2, fetch="sample")),
+    "iterable-dataset": (
+        P(D.ShardedIterable, 6),
+        dict(batch_size=2, num_workers=2, fetch="sample"),
+    ),
     "batch-size-none": (P(D.IndexMap, 6), dict(batch_size=None, num_workers=2, fetch="sample")),
-    "custom-collate": (P(D.IndexMap, 6), dict(batch_size=2, num_workers=2, fetch="sample",
-                                              collate_fn=D.identity_collate)),
+    "custom-collate": (
+        P(D.IndexMap, 6),
+        dict(batch_size=2, num_workers=2, fetch="sample", collate_fn=D.identity_collate),
+    ),
     "bad-fetch": (P(D.IndexMap, 6), dict(batch_size=2, num_workers=2, fetch="samples")),
     # torch would call __getitems__ with whole batches
     "getitems": (P(D.GetItemsMap, 6), dict(batch_size=2, num_workers=2, fetch="sample")),
-    "subset-of-getitems": (lambda: tud.Subset(D.GetItemsMap(6), [1, 2, 3]),
-                           dict(batch_size=2, num_workers=2, fetch="sample")),
+    "subset-of-getitems": (
+        lambda: tud.Subset(D.GetItemsMap(6), [1, 2, 3]),
+        dict(batch_size=2, num_workers=2, fetch="sample"),
+    ),
     "fetch-none": (P(D.IndexMap, 6), dict(batch_size=2, num_workers=2, fetch=None)),
-    "bad-assignment": (P(D.IndexMap, 6), dict(batch_size=2, num_workers=2, fetch="sample",
-                                              assignment="round-robin")),
-    "assignment-with-fetch-batch": (P(D.IndexMap, 6), dict(batch_size=2, num_workers=2,
-                                                           assignment="dynamic")),
-    "interleaved-with-fetch-batch": (P(D.IndexMap, 6), dict(batch_size=2, num_workers=2,
-                                                            fetch="batch", assignment="interleaved")),
+    "bad-assignment": (
+        P(D.IndexMap, 6),
+        dict(batch_size=2, num_workers=2, fetch="sample", assignment="round-robin"),
+    ),
+    "assignment-with-fetch-batch": (
+        P(D.IndexMap, 6),
+        dict(batch_size=2, num_workers=2, assignment="dynamic"),
+    ),
+    "interleaved-with-fetch-batch": (
+        P(D.IndexMap, 6),
+        dict(batch_size=2, num_workers=2, fetch="batch", assignment="interleaved"),
+    ),
 }
 
 
@@ -506,8 +619,11 @@ def test_samples_requiring_grad_fail_their_batch_like_torch(assignment):
     D.assert_same(want, got, "outcomes")
 
 
-@pytest.mark.parametrize("batches", [[[0, 1], [], [2, 3], [4, 5]], [[], [0, 1], [2, 3]]],
-                         ids=["empty-later", "empty-first"])
+@pytest.mark.parametrize(
+    "batches",
+    [[[0, 1], [], [2, 3], [4, 5]], [[], [0, 1], [2, 3]]],
+    ids=["empty-later", "empty-first"],
+)
 def test_empty_batch_fails_alone_like_torch(batches):
     """A batch_sampler's empty batch raises collate's IndexError for that batch only (the
     ring's rows need a sample; one worker collates it whole, as torch's)."""
@@ -526,9 +642,12 @@ def test_changed_default_collate_fn_map_is_refused(monkeypatch):
     """Rows of fixed size are torch's own stacking: with default_collate_fn_map changed,
     default_collate batches otherwise, so fetch="sample" refuses, naming the change."""
     from torch.utils.data._utils.collate import default_collate_fn_map
+
     loader = ShmDataLoader(D.IndexMap(6), batch_size=2, num_workers=2, fetch="sample")
     monkeypatch.setitem(default_collate_fn_map, torch.Tensor, _pad)
-    with pytest.raises(ValueError, match=r"default_collate_fn_map was changed .*_pad.*fetch='batch'"):
+    with pytest.raises(
+        ValueError, match=r"default_collate_fn_map was changed .*_pad.*fetch='batch'"
+    ):
         iter(loader)
     with pytest.raises(ValueError, match="default_collate_fn_map"):
         ShmDataLoader(D.IndexMap(6), batch_size=2, num_workers=2, fetch="sample")
@@ -550,8 +669,9 @@ def test_slot_bytes_too_small_is_clear_value_error():
     """slot_bytes below what one batch of rows needs: a ValueError naming slot_bytes and the size
     needed; nothing left behind; with that size the loader works."""
     children = own_children()
-    loader = ShmDataLoader(D.NumericMap(10), batch_size=4, num_workers=2, fetch="sample",
-                           slot_bytes=64)
+    loader = ShmDataLoader(
+        D.NumericMap(10), batch_size=4, num_workers=2, fetch="sample", slot_bytes=64
+    )
     with pytest.raises(ValueError) as info, deadline(60):
         next(iter(loader))
     message = str(info.value)
@@ -564,8 +684,12 @@ def test_slot_bytes_too_small_is_clear_value_error():
     assert wait_gone(set(own_children()) - set(children), HANG_S)[0] == []
     assert our_segments() == []
     t = run(TorchDataLoader, P(D.NumericMap, 10), batch_size=4, num_workers=2)
-    s = run(P(ShmDataLoader, slot_bytes=needed, fetch="sample"), P(D.NumericMap, 10),
-            batch_size=4, num_workers=2)
+    s = run(
+        P(ShmDataLoader, slot_bytes=needed, fetch="sample"),
+        P(D.NumericMap, 10),
+        batch_size=4,
+        num_workers=2,
+    )
     assert_results_same(t, s)
 
 
@@ -577,9 +701,14 @@ def test_worker_sigkilled_raises_promptly_and_leaves_nothing(at, assignment):
     process raises WorkerDied naming the pid and the signal; every other worker is gone;
     nothing in /dev/shm; the next epoch starts fresh workers and is whole."""
     children = set(own_children())
-    loader = ShmDataLoader(Dying(64, at=at, signum=int(signal.SIGKILL)), batch_size=4,
-                           num_workers=2, fetch="sample", assignment=assignment,
-                           persistent_workers=True)
+    loader = ShmDataLoader(
+        Dying(64, at=at, signum=int(signal.SIGKILL)),
+        batch_size=4,
+        num_workers=2,
+        fetch="sample",
+        assignment=assignment,
+        persistent_workers=True,
+    )
     yielded = 0
     # (iter() itself may raise: it waits for the first sample, which fixes the layout)
     with pytest.raises(WorkerDied) as info, deadline(HANG_S):
@@ -604,8 +733,13 @@ def test_worker_sigkilled_raises_promptly_and_leaves_nothing(at, assignment):
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_worker_killed_from_outside_mid_epoch(assignment):
     """SIGKILL sent to a worker by someone else while every worker is busy with rows."""
-    loader = ShmDataLoader(Sleepy(200, seconds=0.01), batch_size=4, num_workers=2,
-                           fetch="sample", assignment=assignment)
+    loader = ShmDataLoader(
+        Sleepy(200, seconds=0.01),
+        batch_size=4,
+        num_workers=2,
+        fetch="sample",
+        assignment=assignment,
+    )
     it = iter(loader)
     pids = list(it._pool.pids)
     assert next(it).tolist() == [0, 1, 2, 3]
@@ -623,9 +757,14 @@ def test_worker_killed_from_outside_mid_epoch(assignment):
 def _late_worker_batches(assignment, n=120, bs=4):
     """Worker 1 starts 0.4 s late (worker_init_fn), every sample takes 4 ms: worker 0 fetches
     the first batches alone, and worker 1 then finds their (now stale) tasks in its inbox."""
-    loader = ShmDataLoader(D.SlowMap(n, slow=tuple(range(n)), delay=0.004), batch_size=bs,
-                           num_workers=2, fetch="sample", assignment=assignment,
-                           worker_init_fn=D.late_worker_init_fn)
+    loader = ShmDataLoader(
+        D.SlowMap(n, slow=tuple(range(n)), delay=0.004),
+        batch_size=bs,
+        num_workers=2,
+        fetch="sample",
+        assignment=assignment,
+        worker_init_fn=D.late_worker_init_fn,
+    )
     with deadline(60):
         return [b.flatten().tolist() for b in loader]
 
@@ -645,14 +784,16 @@ def test_dynamic_rows_never_land_in_another_batch():
     wrong = [k for k, (g, w) in enumerate(zip(got, want)) if g != w]
     assert len(got) == len(want) and not wrong, (
         f"{len(wrong)} of {len(want)} batches hold other samples, e.g. batch {wrong[0]} = "
-        f"{got[wrong[0]]}, want {want[wrong[0]]}")
+        f"{got[wrong[0]]}, want {want[wrong[0]]}"
+    )
 
 
 def test_late_worker_interleaved_is_right():
     """The control for the test above: the same load with assignment="interleaved"."""
     n, bs = 120, 4
     assert _late_worker_batches("interleaved", n, bs) == [
-        list(range(s, min(s + bs, n))) for s in range(0, n, bs)]
+        list(range(s, min(s + bs, n))) for s in range(0, n, bs)
+    ]
 
 
 # --------------------------------------------------------------------------- large samples
@@ -662,10 +803,22 @@ def test_large_samples_and_batches_beyond_the_first_size(assignment):
     fixed by the first batch, bigger batches still arrive whole."""
     sizes = [2, 6, 3, 1]
     make = P(Images, 30, shape=(3, 32, 128))
-    t = run(TorchDataLoader, make, batch_sampler=D.VaryingBatchSampler(30, sizes), num_workers=2,
-            persistent_workers=True, epochs=2)
-    s = run(sample_loader(assignment), make, batch_sampler=D.VaryingBatchSampler(30, sizes),
-            num_workers=2, persistent_workers=True, epochs=2)
+    t = run(
+        TorchDataLoader,
+        make,
+        batch_sampler=D.VaryingBatchSampler(30, sizes),
+        num_workers=2,
+        persistent_workers=True,
+        epochs=2,
+    )
+    s = run(
+        sample_loader(assignment),
+        make,
+        batch_sampler=D.VaryingBatchSampler(30, sizes),
+        num_workers=2,
+        persistent_workers=True,
+        epochs=2,
+    )
     assert_results_same(t, s)
     assert [len(b) for b in s.epochs[0]] == [2, 6, 3, 1, 2, 6, 3, 1, 2, 4]
 

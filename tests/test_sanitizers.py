@@ -16,6 +16,7 @@ with gcc and run to completion; see the top of ring_stress.c for what it checks.
 A sanitizer is skipped only when gcc cannot build (or the runtime cannot start) a trivial
 threaded program with it on this machine; the reason is given in the skip message.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,13 @@ BUILDS = {
         "args": ["-r", "20000", "-t", "30000", "-p", "3", "-n", "4"],
     },
     "asan-ubsan": {
-        "flags": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-                  "-fno-omit-frame-pointer", "-O1", "-g"],
+        "flags": [
+            "-fsanitize=address,undefined",
+            "-fno-sanitize-recover=all",
+            "-fno-omit-frame-pointer",
+            "-O1",
+            "-g",
+        ],
         "args": ["-r", "30000", "-t", "30000"],
     },
 }
@@ -59,8 +65,8 @@ BUILDS = {
 SANITIZER_ENV = {
     "TSAN_OPTIONS": "halt_on_error=1:exitcode=66:second_deadlock_stack=1:report_signal_unsafe=1",
     "ASAN_OPTIONS": "halt_on_error=1:abort_on_error=1:detect_leaks=1:"
-                    "detect_stack_use_after_return=1:strict_string_checks=1:"
-                    "check_initialization_order=1",
+    "detect_stack_use_after_return=1:strict_string_checks=1:"
+    "check_initialization_order=1",
     "UBSAN_OPTIONS": "halt_on_error=1:abort_on_error=1:print_stacktrace=1",
 }
 
@@ -95,8 +101,14 @@ def _env():
 
 def _run(cmd, timeout):
     """Run cmd in its own session; on timeout kill the whole group (forked producers too)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(), start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -124,14 +136,21 @@ def _probe(build_dir: Path, name: str, flags: list[str]) -> None:
     src = build_dir / "trivial.c"
     src.write_text(TRIVIAL)
     exe = build_dir / f"trivial-{name}"
-    res = subprocess.run([CC, *flags, "-pthread", str(src), "-o", str(exe)],
-                         check=False, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [CC, *flags, "-pthread", str(src), "-o", str(exe)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if res.returncode != 0:
         pytest.skip(f"{CC} cannot build with {' '.join(flags)} here: {res.stderr.strip()[-500:]}")
     rc, out = _run([str(exe)], 60)
     if rc != 0 or out.strip() != "ok":
-        pytest.skip(f"the {name} runtime cannot run a trivial program here "
-                    f"(exit {rc}): {out.strip()[-500:]}")
+        pytest.skip(
+            f"the {name} runtime cannot run a trivial program here "
+            f"(exit {rc}): {out.strip()[-500:]}"
+        )
 
 
 @pytest.mark.parametrize("name", list(BUILDS))
@@ -139,8 +158,13 @@ def test_ring_stress(build_dir, name):
     build = BUILDS[name]
     _probe(build_dir, name, build["flags"])
     exe = build_dir / f"ring_stress-{name}"
-    res = subprocess.run([CC, *COMMON, *build["flags"], *map(str, SOURCES), "-o", str(exe)],
-                         check=False, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [CC, *COMMON, *build["flags"], *map(str, SOURCES), "-o", str(exe)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, f"building ring_stress ({name}) failed:\n{res.stderr}"
 
     rearm_hang_guard(TIMEOUT_S + 60)  # the run's own bound decides, with its output
@@ -150,7 +174,9 @@ def test_ring_stress(build_dir, name):
     reports = [m for m in REPORT_MARKERS if m in out]
     assert rc == 0 and not reports, (
         f"ring_stress ({name}) exited {rc} after {elapsed:.1f} s"
-        + (f" with sanitizer reports {reports}" if reports else "") + f":\n{out}")
+        + (f" with sanitizer reports {reports}" if reports else "")
+        + f":\n{out}"
+    )
     for phase in ("copy:", "api:", "procs:", "death:", "threads:", "OK"):
         assert f"ring_stress: {phase}" in out, f"phase {phase!r} did not report:\n{out}"
 
@@ -162,10 +188,22 @@ def test_a_late_producer_takes_no_row_of_the_slots_next_batch(build_dir):
     tests/c/row_claim_race.c stops it there through the pause shmring.c leaves for it."""
     _probe(build_dir, "plain", ["-O2"])
     exe = build_dir / "row_claim_race"
-    res = subprocess.run([CC, *COMMON, "-O2", "-DSHMRING_ROW_CAS_PAUSE=row_cas_pause_here",
-                          str(ROOT / "tests" / "c" / "row_claim_race.c"),
-                          str(ROOT / "csrc" / "shmring.c"), "-o", str(exe)],
-                         check=False, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            CC,
+            *COMMON,
+            "-O2",
+            "-DSHMRING_ROW_CAS_PAUSE=row_cas_pause_here",
+            str(ROOT / "tests" / "c" / "row_claim_race.c"),
+            str(ROOT / "csrc" / "shmring.c"),
+            "-o",
+            str(exe),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, f"building row_claim_race failed:\n{res.stderr}"
     rc, out = _run([str(exe)], 30)
     assert rc == 0 and "late producer: -ESTALE" in out, out

@@ -3,6 +3,7 @@ epoch, sample position), so randomly augmented batches are the same whatever num
 3), fetch ("batch" or "sample") or assignment ("interleaved" or "dynamic") is, given the same
 generator seed; they change from epoch to epoch; and the batch order and the main process's RNG
 draws stay torch's."""
+
 import collections
 import functools
 import gc
@@ -22,15 +23,23 @@ P = functools.partial
 N, BS = 12, 4
 
 
-def augmented(*, num_workers, seed=7, epochs=2, persistent=False, shuffle=True, generator=True,
-              n=N, **kw):
+def augmented(
+    *, num_workers, seed=7, epochs=2, persistent=False, shuffle=True, generator=True, n=N, **kw
+):
     """Every batch of `epochs` epochs of AugmentMap(n), the global RNGs seeded alike first."""
     seed_all(SEED)
     g = torch.Generator().manual_seed(seed) if generator else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # 3 workers on a 2-CPU machine; kept batches
-        loader = ShmDataLoader(D.AugmentMap(n), batch_size=BS, shuffle=shuffle, generator=g,
-                               num_workers=num_workers, persistent_workers=persistent, **kw)
+        loader = ShmDataLoader(
+            D.AugmentMap(n),
+            batch_size=BS,
+            shuffle=shuffle,
+            generator=g,
+            num_workers=num_workers,
+            persistent_workers=persistent,
+            **kw,
+        )
         out = [list(loader) for _ in range(epochs)]
     del loader
     gc.collect()
@@ -77,25 +86,35 @@ def test_same_augmentations_whatever_the_workers(reference, name):
 
 def test_in_order_false_same_batches(reference):
     """in_order=False changes the order batches arrive in, not what is in them."""
-    got = augmented(num_workers=2, fetch="sample", assignment="dynamic", in_order=False,
-                    seed_per_sample=True)
+    got = augmented(
+        num_workers=2, fetch="sample", assignment="dynamic", in_order=False, seed_per_sample=True
+    )
     for e, (want, have) in enumerate(zip(reference, got, strict=True)):
         assert collections.Counter(map(D.canon, want)) == collections.Counter(map(D.canon, have)), (
-            f"epoch {e}: different batches")
+            f"epoch {e}: different batches"
+        )
 
 
 @pytest.mark.slow
 def test_persistent_workers_same_across_workers_and_epochs_differ():
     one = augmented(num_workers=1, persistent=True, epochs=3, shuffle=False, seed_per_sample=True)
-    three = augmented(num_workers=3, persistent=True, epochs=3, shuffle=False, fetch="sample",
-                      assignment="dynamic", seed_per_sample=True)
+    three = augmented(
+        num_workers=3,
+        persistent=True,
+        epochs=3,
+        shuffle=False,
+        fetch="sample",
+        assignment="dynamic",
+        seed_per_sample=True,
+    )
     D.assert_same(one, three, "persistent 1 vs 3 workers")
     # Persistent workers keep one base seed: only the epoch can make the epochs differ.
     for e in range(3):
         assert [b["index"].tolist() for b in one[e]] == [b["index"].tolist() for b in one[0]]
     for a, b in [(0, 1), (1, 2), (0, 2)]:
         assert not same(random_part(one[a]), random_part(one[b])), (
-            f"epochs {a} and {b} drew the same augmentations")
+            f"epochs {a} and {b} drew the same augmentations"
+        )
 
 
 @pytest.mark.slow
@@ -106,9 +125,15 @@ def test_changed_between_epochs_of_persistent_workers_applies(turned_on):
     its base seed as a non-persistent loader's second iterator does. (Seeded batches are
     the same for 2 workers as for 3.)"""
     seed_all(SEED)
-    loader = ShmDataLoader(D.AugmentMap(N), batch_size=BS, shuffle=True, num_workers=2,
-                           generator=torch.Generator().manual_seed(7), persistent_workers=True,
-                           seed_per_sample=not turned_on)
+    loader = ShmDataLoader(
+        D.AugmentMap(N),
+        batch_size=BS,
+        shuffle=True,
+        num_workers=2,
+        generator=torch.Generator().manual_seed(7),
+        persistent_workers=True,
+        seed_per_sample=not turned_on,
+    )
     first = list(loader)
     loader.seed_per_sample = turned_on
     second = list(loader)
@@ -161,8 +186,9 @@ def test_order_and_main_process_rng_are_torchs():
     kw = dict(batch_size=BS, shuffle=True, num_workers=2, epochs=2)
     t = run(tud.DataLoader, P(D.AugmentMap, N), **kw)
     s = run(P(ShmDataLoader, seed_per_sample=True, fetch="sample"), P(D.AugmentMap, N), **kw)
-    assert [[b["index"].tolist() for b in e] for e in t.epochs] == \
-           [[b["index"].tolist() for b in e] for e in s.epochs]
+    assert [[b["index"].tolist() for b in e] for e in t.epochs] == [
+        [b["index"].tolist() for b in e] for e in s.epochs
+    ]
     D.assert_same(t.rng_after, s.rng_after, "main-process RNG after iterating")
     s2 = run(P(ShmDataLoader, seed_per_sample=True), P(D.AugmentMap, N), generator=gen(3), **kw)
     t2 = run(tud.DataLoader, P(D.AugmentMap, N), generator=gen(3), **kw)
@@ -174,6 +200,7 @@ def test_main_process_rng_with_num_workers_0_is_as_with_workers():
     the samples' draws leave the loop's RNG as they do when workers make them (torch's loader
     with workers: the same order, and the loop's own draws), where torch's num_workers=0 would
     move it with every augmentation."""
+
     def go(cls, **kw):
         seed_all(SEED)
         loader = cls(D.AugmentMap(N), batch_size=BS, shuffle=True, **kw)
@@ -194,8 +221,14 @@ def test_prefetched_epoch_same_augmentations(reference):
     """prefetch_next_epoch does not change what seed_per_sample draws when the prefetched epoch
     is adopted (24 samples: the next epoch's sampler is not exhausted by the prefetch)."""
     plain = augmented(num_workers=2, persistent=True, epochs=3, n=24, seed_per_sample=True)
-    prefetched = augmented(num_workers=2, persistent=True, epochs=3, n=24, seed_per_sample=True,
-                           prefetch_next_epoch=True)
+    prefetched = augmented(
+        num_workers=2,
+        persistent=True,
+        epochs=3,
+        n=24,
+        seed_per_sample=True,
+        prefetch_next_epoch=True,
+    )
     D.assert_same(plain, prefetched, "prefetch_next_epoch on vs off")
 
 
@@ -205,10 +238,19 @@ def test_discarded_prefetch_keeps_epoch_numbers():
     loader._next_epoch() AGAIN, after _start_next_epoch already took a number for the prefetch:
     epoch 1 is seeded as epoch 2, epoch 2 as epoch 4.  So with seed_per_sample the augmentations
     depend on whether prefetch_next_epoch was on."""
+
     def go(**kw):
         g = torch.Generator().manual_seed(1)
-        loader = ShmDataLoader(D.AugmentMap(24), batch_size=BS, shuffle=True, generator=g,
-                               num_workers=2, persistent_workers=True, seed_per_sample=True, **kw)
+        loader = ShmDataLoader(
+            D.AugmentMap(24),
+            batch_size=BS,
+            shuffle=True,
+            generator=g,
+            num_workers=2,
+            persistent_workers=True,
+            seed_per_sample=True,
+            **kw,
+        )
         out = []
         for e in range(3):
             g.manual_seed(50 + e)
@@ -229,8 +271,10 @@ INVALID = {
     # torch would call __getitems__ with whole batches, where seeding needs one sample at a time
     "getitems": (P(D.GetItemsMap, 6), dict(num_workers=2, seed_per_sample=True)),
     "getitems-no-workers": (P(D.GetItemsMap, 6), dict(seed_per_sample=True)),
-    "subset-of-getitems": (lambda: tud.Subset(D.GetItemsMap(6), [1, 2, 3]),
-                           dict(num_workers=2, seed_per_sample=True)),
+    "subset-of-getitems": (
+        lambda: tud.Subset(D.GetItemsMap(6), [1, 2, 3]),
+        dict(num_workers=2, seed_per_sample=True),
+    ),
 }
 
 
@@ -245,6 +289,7 @@ def test_getitems_is_fine_without_automatic_batching():
     """batch_size=None: torch fetches dataset[i] one by one too, never __getitems__, so a
     dataset with one is accepted and yields torch's samples."""
     want = list(tud.DataLoader(D.GetItemsMap(6), batch_size=None, num_workers=2))
-    got = list(ShmDataLoader(D.GetItemsMap(6), batch_size=None, num_workers=2,
-                             seed_per_sample=True))
+    got = list(
+        ShmDataLoader(D.GetItemsMap(6), batch_size=None, num_workers=2, seed_per_sample=True)
+    )
     D.assert_same(want, got, "samples")

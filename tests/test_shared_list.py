@@ -2,6 +2,7 @@
 behaves as a list, that every start method and both loaders send its segment rather than
 its entries, that a worker reading it neither copies it nor maps pages it did not read,
 and that its memory goes with the last process that holds it."""
+
 import collections
 import copy
 import enum
@@ -81,12 +82,31 @@ class IndexDataset(torch.utils.data.Dataset):
 
 
 EVERY_TYPE = [
-    "", "path/to/n01440764_10026.JPEG", "é字😀", "\udcff-undecodable-name",  # os.fsdecode's
-    b"", b"\x00\xff raw",
-    0, 7, -1, 2**63, -(2**100), True, False,
-    0.0, -0.0, 1.5, 1e308, float("inf"), float("-inf"), float("nan"),
+    "",
+    "path/to/n01440764_10026.JPEG",
+    "é字😀",
+    "\udcff-undecodable-name",  # os.fsdecode's
+    b"",
+    b"\x00\xff raw",
+    0,
+    7,
+    -1,
+    2**63,
+    -(2**100),
+    True,
+    False,
+    0.0,
+    -0.0,
+    1.5,
+    1e308,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
     None,
-    (), ("img.jpg", 3), ("a", b"b", 1, 2.5, None, True), (("nested", (1, ())), None),
+    (),
+    ("img.jpg", 3),
+    ("a", b"b", 1, 2.5, None, True),
+    (("nested", (1, ())), None),
 ]
 
 
@@ -123,14 +143,23 @@ def test_subclasses_come_back_as_their_base_types():
     assert same(entries[0], ("a.jpg", 3)) and same(entries[1], 0.5) and same(entries[2], ("b",))
 
 
-@pytest.mark.parametrize("bad, name", [
-    ([1, 2], "list"), ({"a": 1}, "dict"), ({1}, "set"), (bytearray(b"x"), "bytearray"),
-    (np.int64(3), "numpy.int64"), (Path("a.jpg"), "pathlib.PosixPath"), (1j, "complex"),
-    (np.zeros(2), "numpy.ndarray"),
-])
+@pytest.mark.parametrize(
+    "bad, name",
+    [
+        ([1, 2], "list"),
+        ({"a": 1}, "dict"),
+        ({1}, "set"),
+        (bytearray(b"x"), "bytearray"),
+        (np.int64(3), "numpy.int64"),
+        (Path("a.jpg"), "pathlib.PosixPath"),
+        (1j, "complex"),
+        (np.zeros(2), "numpy.ndarray"),
+    ],
+)
 @pytest.mark.parametrize("where", [0, 5])
 def test_an_unsupported_type_is_a_type_error_naming_the_first_entry_that_holds_one(
-        bad, name, where):
+    bad, name, where
+):
     entries = [("ok.jpg", 1)] * 10
     entries[where] = ("bad.jpg", bad)
     entries[where + 2] = [1, 2]  # a later one is not named
@@ -141,18 +170,29 @@ def test_an_unsupported_type_is_a_type_error_naming_the_first_entry_that_holds_o
     assert "str, bytes, int, float, bool, None and tuples of them" in message, message
 
 
-scalars = (st.text() | st.binary() | st.integers() | st.floats(allow_nan=False)
-           | st.booleans() | st.none())
-entry_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3).map(tuple),
-                            max_leaves=6)
+scalars = (
+    st.text() | st.binary() | st.integers() | st.floats(allow_nan=False) | st.booleans() | st.none()
+)
+entry_values = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=3).map(tuple), max_leaves=6
+)
 
 
 @settings(deadline=None)  # no timing in tests: a loaded machine may take any time
-@given(entries=st.lists(entry_values, max_size=12),
-       positions=st.lists(st.integers(-14, 14), max_size=6),
-       slices=st.lists(st.tuples(st.none() | st.integers(-14, 14), st.none() | st.integers(-14, 14),
-                                 st.none() | st.integers(-4, 4).filter(bool)), max_size=4),
-       probe=entry_values, window=st.tuples(st.integers(-14, 14), st.integers(-14, 14)))
+@given(
+    entries=st.lists(entry_values, max_size=12),
+    positions=st.lists(st.integers(-14, 14), max_size=6),
+    slices=st.lists(
+        st.tuples(
+            st.none() | st.integers(-14, 14),
+            st.none() | st.integers(-14, 14),
+            st.none() | st.integers(-4, 4).filter(bool),
+        ),
+        max_size=4,
+    ),
+    probe=entry_values,
+    window=st.tuples(st.integers(-14, 14), st.integers(-14, 14)),
+)
 def test_it_answers_as_the_list_it_was_built_from(entries, positions, slices, probe, window):
     with mock.patch.object(shared_list, "_CHUNK", 3):  # several chunks in a short list
         shared = SharedList(entries)
@@ -218,8 +258,10 @@ class _Overstated:
 
 
 def test_entries_fewer_than_their_len_are_an_error_not_a_list_with_holes():
-    with mock.patch.object(shared_list, "_CHUNK", 4), \
-            pytest.raises(ValueError, match=r"len\(\) is 10, but iterating them gave 7"):
+    with (
+        mock.patch.object(shared_list, "_CHUNK", 4),
+        pytest.raises(ValueError, match=r"len\(\) is 10, but iterating them gave 7"),
+    ):
         SharedList(_Overstated())
 
 
@@ -245,15 +287,15 @@ def test_a_copy_is_itself_and_plain_pickle_carries_the_entries_into_a_segment_of
 
 @pytest.mark.parametrize("context", CONTEXTS)
 @pytest.mark.parametrize("loader", LOADERS)
-def test_workers_of_either_loader_read_the_segment_itself_under_every_start_method(
-        loader, context):
+def test_workers_of_either_loader_read_the_segment_itself_under_every_start_method(loader, context):
     """One line changes the dataset; the loader is torch's or shmloader's, its workers
     started by any method: they map the main process's segment, never a copy."""
     entries = [(f"train/{i % 3}/{i}.JPEG", i % 3) for i in range(24)]
     data = IndexDataset(SharedList(entries))
     mine = segments_of()
-    batches = list(LOADERS[loader](data, batch_size=None, num_workers=2,
-                                   multiprocessing_context=context))
+    batches = list(
+        LOADERS[loader](data, batch_size=None, num_workers=2, multiprocessing_context=context)
+    )
     assert [(path, label) for path, label, _ in batches] == entries
     for _, _, mapped in batches:
         assert segment_of(data.samples) in mapped and set(mapped) <= mine, (mapped, mine)
@@ -318,7 +360,7 @@ def _mapped_after_reading_one(entries, results):
     for i, line in enumerate(blocks):
         start = line.split("-", 1)[0]
         if SEGMENT_NAME in line and int(start, 16) == address:
-            rss = next(b for b in blocks[i + 1:] if b.startswith("Rss:"))
+            rss = next(b for b in blocks[i + 1 :] if b.startswith("Rss:"))
             results.put(int(rss.split()[1]) * 1024)
             return
     results.put(None)
@@ -373,15 +415,19 @@ def test_nothing_is_left_after_the_main_process_is_killed_while_iterating(loader
     """SIGKILL of the training process mid-epoch: its workers exit (torch's within its
     5 s watchdog) and no process keeps the segment (memory held only by fds and
     mappings goes with the last of them)."""
-    child = subprocess.Popen([sys.executable, "-c", KILLED_SCRIPT, loader], cwd=ROOT,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SCRIPT, loader], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "iterating"
         segment = segments_of(child.pid)
         workers = _children(child.pid)
         assert len(segment) == 1 and len(workers) >= 2, (segment, workers)
-        wait_until(lambda: all(segments_of(p) == segment for p in workers), 60,
-                   "every worker holds the segment")
+        wait_until(
+            lambda: all(segments_of(p) == segment for p in workers),
+            60,
+            "every worker holds the segment",
+        )
         child.send_signal(signal.SIGKILL)
         child.wait(60)
         wait_until(lambda: not any(alive(p) for p in workers), 60, "the workers exited")
@@ -396,10 +442,13 @@ def test_nothing_is_left_after_the_main_process_is_killed_while_iterating(loader
 def memfd_refused(tmp_path_factory):
     """A library under which memfd_create fails, as a seccomp filter or a kernel older
     than 3.17 makes it fail."""
-    return preload_library(tmp_path_factory.mktemp("preload"), "no_memfd",
-                           "#include <errno.h>\n"
-                           "int memfd_create(const char *name, unsigned int flags) "
-                           "{ errno = ENOSYS; return -1; }\n")
+    return preload_library(
+        tmp_path_factory.mktemp("preload"),
+        "no_memfd",
+        "#include <errno.h>\n"
+        "int memfd_create(const char *name, unsigned int flags) "
+        "{ errno = ENOSYS; return -1; }\n",
+    )
 
 
 FALLBACK_SCRIPT = """
@@ -412,11 +461,16 @@ print(os.readlink(f"/proc/self/fd/{shared._fd}"))
 """
 
 
-def test_where_memfd_create_is_refused_the_segment_is_an_unnamed_file_in_dev_shm(
-        memfd_refused):
+def test_where_memfd_create_is_refused_the_segment_is_an_unnamed_file_in_dev_shm(memfd_refused):
     before = set(os.listdir("/dev/shm"))
-    done = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], cwd=ROOT, text=True,
-                          check=False, capture_output=True, env={**os.environ, "LD_PRELOAD": memfd_refused})
+    done = subprocess.run(
+        [sys.executable, "-c", FALLBACK_SCRIPT],
+        cwd=ROOT,
+        text=True,
+        check=False,
+        capture_output=True,
+        env={**os.environ, "LD_PRELOAD": memfd_refused},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     link = done.stdout.strip()
     assert link.startswith("/dev/shm/") and link.endswith("(deleted)"), link
@@ -435,14 +489,20 @@ except SharedMemoryError as e:
 def test_memory_running_out_is_a_shared_memory_error_saying_what_to_do(memfd_refused):
     """Where memfd_create is refused the segment lives in /dev/shm: a 1 MB one runs out."""
     setup = "mount -t tmpfs -o size=1m tmpfs /dev/shm"
-    if subprocess.run(["unshare", "-m", "sh", "-c", setup], capture_output=True,
-                      check=False).returncode:
+    if subprocess.run(
+        ["unshare", "-m", "sh", "-c", setup], capture_output=True, check=False
+    ).returncode:
         pytest.skip("needs `unshare -m` and mount (root) for a private /dev/shm")
     done = subprocess.run(
-        ["unshare", "-m", "sh", "-c", f"{setup} && exec {sys.executable} -c \"$0\"",
-         SHORT_SCRIPT], cwd=ROOT, text=True, capture_output=True, check=False,
-        env={**os.environ, "LD_PRELOAD": memfd_refused})
+        ["unshare", "-m", "sh", "-c", f'{setup} && exec {sys.executable} -c "$0"', SHORT_SCRIPT],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        check=False,
+        env={**os.environ, "LD_PRELOAD": memfd_refused},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.startswith("SharedList ran out of shared memory (No space left on "
-                                  "device) after writing "), done.stdout
+    assert done.stdout.startswith(
+        "SharedList ran out of shared memory (No space left on device) after writing "
+    ), done.stdout
     assert "size of /dev/shm" in done.stdout, done.stdout

@@ -2,6 +2,7 @@
 reserves its header only (after checking that /dev/shm has room for all of
 it), and a /dev/shm that fills up after that is a clear fallback or error,
 never a SIGBUS."""
+
 import os
 import re
 import subprocess
@@ -53,9 +54,15 @@ def test_loader_reserves_the_rest_of_its_ring_after_its_first_batches():
     """Before the first batch only the slots being written are reserved (at most
     the 2 batches in flight, of 24 slots); soon after the second, all of them, so
     that a loader made later sees what this one takes."""
-    loader = DataLoader(Images(64, shape=(3, 64, 64)), batch_size=4, num_workers=1,
-                        prefetch_factor=2, num_slots=24, slot_bytes=SLOT,
-                        persistent_workers=True)
+    loader = DataLoader(
+        Images(64, shape=(3, 64, 64)),
+        batch_size=4,
+        num_workers=1,
+        prefetch_factor=2,
+        num_slots=24,
+        slot_bytes=SLOT,
+        persistent_workers=True,
+    )
     it = iter(loader)
     assert _reserved_bytes(it._ring) <= 3 * SLOT
     assert [next(it)[0, 0, 0, 0].item() for _ in range(2)] == [0, 4]
@@ -70,20 +77,30 @@ def no_room_preload(tmp_path_factory):
     """A library that makes every posix_fallocate fail with ENOSPC, as on a
     /dev/shm that filled up after the ring was made; preloaded into spawned
     workers only (the main process has made its ring already)."""
-    return preload_library(tmp_path_factory.mktemp("preload"), "no_room",
-                           "#include <errno.h>\n#include <sys/types.h>\n"
-                           "int posix_fallocate(int fd, off_t offset, off_t len) { return ENOSPC; }\n"
-                           "int posix_fallocate64(int fd, off_t offset, off_t len) { return ENOSPC; }\n")
+    return preload_library(
+        tmp_path_factory.mktemp("preload"),
+        "no_room",
+        "#include <errno.h>\n#include <sys/types.h>\n"
+        "int posix_fallocate(int fd, off_t offset, off_t len) { return ENOSPC; }\n"
+        "int posix_fallocate64(int fd, off_t offset, off_t len) { return ENOSPC; }\n",
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fetch", ["batch", "sample"])
-def test_dev_shm_full_after_start_is_each_batch_error_and_loader_goes_on(monkeypatch,
-                                                                       no_room_preload, fetch):
+def test_dev_shm_full_after_start_is_each_batch_error_and_loader_goes_on(
+    monkeypatch, no_room_preload, fetch
+):
     """Like torch on a full /dev/shm (its transport needs it too): each batch
     raises, clearly, and the loader itself keeps working once there is room."""
-    loader = DataLoader(Images(24), batch_size=4, num_workers=2, slot_bytes=SLOT, fetch=fetch,
-                        multiprocessing_context="spawn")
+    loader = DataLoader(
+        Images(24),
+        batch_size=4,
+        num_workers=2,
+        slot_bytes=SLOT,
+        fetch=fetch,
+        multiprocessing_context="spawn",
+    )
     monkeypatch.setenv("LD_PRELOAD", no_room_preload)
     it = iter(loader)  # spawns the workers with it
     monkeypatch.delenv("LD_PRELOAD")
@@ -129,10 +146,12 @@ def test_a_default_ring_short_of_memory_shrinks_and_every_batch_comes(monkeypatc
     assert stats.ring_slots == 7 and stats.slot_batches > 0
 
 
-@pytest.mark.parametrize("slot_bytes, limit", [(None, 100_000), (SLOT, 3 * SLOT)],
-                         ids=["learned", "users"])
-def test_memory_short_of_the_batches_in_flight_is_an_error_naming_the_bytes(monkeypatch,
-                                                                            slot_bytes, limit):
+@pytest.mark.parametrize(
+    "slot_bytes, limit", [(None, 100_000), (SLOT, 3 * SLOT)], ids=["learned", "users"]
+)
+def test_memory_short_of_the_batches_in_flight_is_an_error_naming_the_bytes(
+    monkeypatch, slot_bytes, limit
+):
     """Memory for fewer slots than the batches in flight, the loop's and the one yielded:
     a SharedMemoryError when the ring would be made, naming the bytes needed and the room,
     and what to change; never a SIGBUS or an OOM kill later."""
@@ -142,8 +161,11 @@ def test_memory_short_of_the_batches_in_flight_is_an_error_naming_the_bytes(monk
         warnings.simplefilter("ignore")
         with pytest.raises(SharedMemoryError) as e:
             list(loader)
-    assert re.search(r"needs \d+ bytes of shared memory for its ring \(8 slots x \d+ bytes\) "
-                     r"but SHMLOADER_SHM_LIMIT=\d+ caps a ring", str(e.value)), str(e.value)
+    assert re.search(
+        r"needs \d+ bytes of shared memory for its ring \(8 slots x \d+ bytes\) "
+        r"but SHMLOADER_SHM_LIMIT=\d+ caps a ring",
+        str(e.value),
+    ), str(e.value)
     assert "num_slots" in str(e.value)
 
 
@@ -153,8 +175,9 @@ def test_the_ring_full_warning_still_comes_after_an_epoch_short_of_memory(monkey
     from shmloader._resume import STATE_BYTES
 
     monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(7 * _page_rounded(SLOT + STATE_BYTES)))
-    loader = DataLoader(Images(64, shape=(3, 64, 64)), batch_size=4, num_workers=2,
-                        slot_bytes=SLOT)  # (batches too big to be copied out of their slots)
+    loader = DataLoader(
+        Images(64, shape=(3, 64, 64)), batch_size=4, num_workers=2, slot_bytes=SLOT
+    )  # (batches too big to be copied out of their slots)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _epochs(loader, 1)
@@ -187,7 +210,8 @@ def test_memory_is_checked_against_the_memory_cgroup(monkeypatch, tmp_path):
     (group / "memory.current").write_text(f"{150 << 20}\n")
     (group / "memory.stat").write_text(
         f"anon {90 << 20}\nfile {60 << 20}\nshmem {10 << 20}\n"
-        f"inactive_file {30 << 20}\nactive_file {20 << 20}\nunevictable 0\n")
+        f"inactive_file {30 << 20}\nactive_file {20 << 20}\nunevictable 0\n"
+    )
     monkeypatch.setattr(_memory, "CGROUP_ROOT", str(tmp_path))
     monkeypatch.setattr(_memory, "_cgroup_lines", lambda: ["0::/kubepods/pod1"])
     room, words = _memory.available()
@@ -207,7 +231,8 @@ def test_memory_is_checked_against_a_v1_memory_cgroup(monkeypatch, tmp_path):
     (group / "memory.usage_in_bytes").write_text(f"{62 << 20}\n")
     (group / "memory.stat").write_text(
         f"cache {3 << 20}\ninactive_file {1 << 20}\ntotal_cache {3 << 20}\n"
-        f"total_inactive_file {1 << 20}\ntotal_active_file {1 << 20}\n")
+        f"total_inactive_file {1 << 20}\ntotal_active_file {1 << 20}\n"
+    )
     (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
     (tmp_path / "memory" / "memory.usage_in_bytes").write_text("1\n")
     monkeypatch.setattr(_memory, "CGROUP_ROOT", str(tmp_path))
@@ -218,7 +243,9 @@ def test_memory_is_checked_against_a_v1_memory_cgroup(monkeypatch, tmp_path):
 @pytest.mark.parametrize("limit", ["-5", "abc", "1e6"])
 def test_a_limit_that_is_not_a_number_of_bytes_is_an_error(monkeypatch, limit):
     monkeypatch.setenv("SHMLOADER_SHM_LIMIT", limit)
-    with pytest.raises(ValueError, match=f"SHMLOADER_SHM_LIMIT should be a number of bytes.*{limit}"):
+    with pytest.raises(
+        ValueError, match=f"SHMLOADER_SHM_LIMIT should be a number of bytes.*{limit}"
+    ):
         iter(DataLoader(Images(8), batch_size=4, num_workers=2, slot_bytes=SLOT))
 
 
@@ -271,15 +298,21 @@ def _run_in_a_64_mb_dev_shm(script):
     """`python -c script` from the repository's root, in a private mount namespace with a
     64 MB /dev/shm (as Docker's default); the test skips where this machine does not
     allow that (not root, no unshare)."""
-    probe = subprocess.run(["unshare", "-m", "sh", "-c",
-                            "mount -t tmpfs -o size=64m tmpfs /dev/shm"],
-                           capture_output=True)
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs /dev/shm"],
+        capture_output=True,
+    )
     if probe.returncode != 0:
         pytest.skip("needs `unshare -m` and mount (root) for a private 64 MB /dev/shm")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    command = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} -c \"$0\""
-    done = subprocess.run(["unshare", "-m", "sh", "-c", command, script],
-                          cwd=root, capture_output=True, text=True, timeout=300)
+    command = f'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} -c "$0"'
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", command, script],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.split()
 
@@ -342,15 +375,20 @@ def test_page_cache_in_a_real_memory_cgroup_leaves_room_for_the_ring(tmp_path):
     try:
         with open(os.path.join(group, limit_file), "w") as f:
             f.write(str(640 << 20))
-        join = f"echo $$ > {os.path.join(group, 'cgroup.procs')} && exec \"$0\" \"$@\""
+        join = f'echo $$ > {os.path.join(group, "cgroup.procs")} && exec "$0" "$@"'
         out = subprocess.run(
             ["sh", "-c", join, sys.executable, "-c", REAL_CGROUP_SCRIPT, str(tmp_path / "data")],
-            capture_output=True, text=True, timeout=HANG_TIMEOUT_S,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            capture_output=True,
+            text=True,
+            timeout=HANG_TIMEOUT_S,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
         assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-3000:])
         total, room_mb, words = out.stdout.split(" ", 2)
-        want = sum(int(b.sum()) for b in torch.utils.data.DataLoader(
-            Images(64, shape=(3, 64, 64)), batch_size=8))
+        want = sum(
+            int(b.sum())
+            for b in torch.utils.data.DataLoader(Images(64, shape=(3, 64, 64)), batch_size=8)
+        )
         assert int(total) == want and int(room_mb) >= 64, words
     finally:
         os.rmdir(group)

@@ -1,6 +1,7 @@
 """The ring as users see it: batches are slot views that never change while
 held, kept batches never deadlock, oversize batches spill whole, leaves that
 cannot live in a slot fall back, and bad sizes are clear errors."""
+
 import collections
 import gc
 import inspect
@@ -31,8 +32,10 @@ Pair = collections.namedtuple("Pair", "image meta")
 
 def _expected(n, batch_size):
     data = Images(n)
-    return [torch.stack([data[i] for i in range(s, min(s + batch_size, n))])
-            for s in range(0, n, batch_size)]
+    return [
+        torch.stack([data[i] for i in range(s, min(s + batch_size, n))])
+        for s in range(0, n, batch_size)
+    ]
 
 
 def test_batches_are_views_of_the_ring():
@@ -76,7 +79,7 @@ def _each_next_with_warnings_as_errors(loader, hold):
                 got.append(str(warning))
                 continue
             got.append(batch.clone())
-            held = held[-hold + 1:] + [batch] if hold > 1 else []
+            held = held[-hold + 1 :] + [batch] if hold > 1 else []
 
 
 @pytest.mark.parametrize("case", ["ring_full", "spill"])
@@ -110,8 +113,9 @@ def test_both_warnings_made_errors_are_raised_and_no_batch_is_lost():
     """A loop keeping every batch fills the ring, and batch 6 outgrows its slot: both
     warnings are raised (they may be met in one next()), and every batch arrives."""
     got = _each_next_with_warnings_as_errors(
-        DataLoader(_SpillsAtBatch6(), batch_size=2, num_workers=2, prefetch_factor=1,
-                   num_slots=4), hold=40)
+        DataLoader(_SpillsAtBatch6(), batch_size=2, num_workers=2, prefetch_factor=1, num_slots=4),
+        hold=40,
+    )
     warned = sorted(item for item in got if isinstance(item, str))
     assert len(warned) == 2, warned
     assert "did not fit" in warned[0] and "all 4 ring slots are in use" in warned[1], warned
@@ -122,8 +126,14 @@ def test_a_warning_left_unraised_comes_again_next_epoch():
     """A loop that stops at the batch whose next() met the ring-full warning (made an
     error: the fifth, 5 kept and 4 in flight wanting 9 slots) never sees it raised; the
     next epoch, filling the ring again, raises it where it comes, not at its start."""
-    loader = DataLoader(Images(64), batch_size=4, num_workers=2, num_slots=8,
-                        slot_bytes=SLOT, persistent_workers=True)
+    loader = DataLoader(
+        Images(64),
+        batch_size=4,
+        num_workers=2,
+        num_slots=8,
+        slot_bytes=SLOT,
+        persistent_workers=True,
+    )
     raised = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -158,8 +168,12 @@ def test_an_iterator_left_with_a_warning_unraised_goes_at_once_and_the_warning_c
     drops it, workers included (no reference cycle for the garbage collector to find), and
     the next epoch raises the warning again where its cause comes."""
     # (A slot size of the user's: with slot_bytes=None the next epoch's slots would fit.)
-    loader = DataLoader(Images(64, shape=(3, 64, 64)), batch_sampler=_GrowingBatches(), num_workers=2,
-                        slot_bytes=1 << 16)
+    loader = DataLoader(
+        Images(64, shape=(3, 64, 64)),
+        batch_sampler=_GrowingBatches(),
+        num_workers=2,
+        slot_bytes=1 << 16,
+    )
     gc.disable()
     try:
         with warnings.catch_warnings():
@@ -213,14 +227,18 @@ def test_spill_warning_names_a_big_dataset_state():
     """slot_bytes that holds the batch but not its worker's state: the spill warning says
     the state is what does not fit, not the batch alone."""
     loader = DataLoader(_StreamWithBigState(), batch_size=8, num_workers=2, slot_bytes=1 << 16)
-    with pytest.warns(UserWarning, match=r"a batch \(with the worker's state, \d+ bytes: the "
-                                         r"dataset's state_dict\(\) and the RNGs\) did not fit"):
+    with pytest.warns(
+        UserWarning,
+        match=r"a batch \(with the worker's state, \d+ bytes: the "
+        r"dataset's state_dict\(\) and the RNGs\) did not fit",
+    ):
         assert len(list(loader)) == 12
 
 
 def test_every_third_batch_kept_in_dict_stays_intact():
-    loader = DataLoader(Images(600), batch_size=4, num_workers=2, slot_bytes=SLOT,
-                        persistent_workers=True)
+    loader = DataLoader(
+        Images(600), batch_size=4, num_workers=2, slot_bytes=SLOT, persistent_workers=True
+    )
     expected = _expected(600, 4)
     for epoch in range(2):
         kept = {}
@@ -233,8 +251,14 @@ def test_every_third_batch_kept_in_dict_stays_intact():
 
 
 def test_released_slot_is_reused_only_after_views_die():
-    loader = DataLoader(Images(400), batch_size=4, num_workers=2, slot_bytes=SLOT,
-                        num_slots=6, persistent_workers=True)
+    loader = DataLoader(
+        Images(400),
+        batch_size=4,
+        num_workers=2,
+        slot_bytes=SLOT,
+        num_slots=6,
+        persistent_workers=True,
+    )
     first = None
     expected = _expected(400, 4)
     for i, batch in enumerate(loader):
@@ -259,7 +283,10 @@ def test_oversize_batch_spills_whole_and_is_counted():
     # A local class is fine under fork.  Samples 0-15 fit a 4096-byte slot (the
     # metadata may use the room kept for the worker state).
     loader = DataLoader(Growing(40), batch_size=None, num_workers=2, slot_bytes=1024)
-    with pytest.warns(UserWarning, match=r"did not fit its slot \(4096 bytes for a batch: slot_bytes=1024, rounded up"):
+    with pytest.warns(
+        UserWarning,
+        match=r"did not fit its slot \(4096 bytes for a batch: slot_bytes=1024, rounded up",
+    ):
         for i, t in enumerate(loader):
             assert t.shape == (i + 1, 256) and bool((t == i % 251).all())
     stats = loader.stats()
@@ -312,8 +339,20 @@ def no_room_for_torch(tmp_path_factory):
     """An LD_PRELOAD library under which torch's shared memory finds /dev/shm full."""
     source = Path(__file__).parent / "c" / "no_room_for_torch.c"
     library = tmp_path_factory.mktemp("shim") / "no_room_for_torch.so"
-    build = subprocess.run([os.environ.get("CC", "gcc"), "-shared", "-fPIC", "-O1", str(source),
-                            "-o", str(library), "-ldl"], capture_output=True, text=True)
+    build = subprocess.run(
+        [
+            os.environ.get("CC", "gcc"),
+            "-shared",
+            "-fPIC",
+            "-O1",
+            str(source),
+            "-o",
+            str(library),
+            "-ldl",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if build.returncode:
         pytest.skip(f"gcc could not build the shim: {build.stderr}")
     return library
@@ -325,17 +364,24 @@ def test_batches_outside_the_ring_need_no_room_in_dev_shm(no_room_for_torch, cas
     """/dev/shm full for torch's shared memory (a collate's in a worker, or its
     transport's): torch's loader fails every batch, while batches that outgrew their slot,
     or came while every slot was held, come whole in one-off memfd segments."""
+
     def run(which):
         root = Path(__file__).parent.parent
-        out = subprocess.run([sys.executable, "-c", NO_ROOM_SCRIPT, which], cwd=root, timeout=120,
-                             env={**os.environ, "LD_PRELOAD": str(no_room_for_torch)},
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-c", NO_ROOM_SCRIPT, which],
+            cwd=root,
+            timeout=120,
+            env={**os.environ, "LD_PRELOAD": str(no_room_for_torch)},
+            capture_output=True,
+            text=True,
+        )
         assert out.returncode == 0, out.stderr
         return out.stdout.splitlines()
 
     torch_lines = run("torch")
-    assert all(line.startswith("RuntimeError") and "unable to resize file" in line
-               for line in torch_lines), torch_lines  # the shim works: torch fails them all
+    assert all(
+        line.startswith("RuntimeError") and "unable to resize file" in line for line in torch_lines
+    ), torch_lines  # the shim works: torch fails them all
     assert run(case) == ["batch"] * {"spill": 6, "ring_full": 12}[case]
 
 
@@ -398,8 +444,13 @@ def _distant_slices_of_one_storage(indices):
 def test_ring_sizing_counts_the_bytes_that_views_of_one_storage_span():
     """Sized by the sum of the leaves alone (8 KB), every batch would spill, and
     the slots grown after a spill would be measured the same way."""
-    loader = DataLoader(list(range(64)), batch_size=4, num_workers=2, persistent_workers=True,
-                        collate_fn=_distant_slices_of_one_storage)
+    loader = DataLoader(
+        list(range(64)),
+        batch_size=4,
+        num_workers=2,
+        persistent_workers=True,
+        collate_fn=_distant_slices_of_one_storage,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the spill warning
         for _ in range(2):
@@ -424,13 +475,17 @@ class _OneLargeBatch(torch.utils.data.Sampler):
             start += n
 
 
-@pytest.mark.parametrize("options", [
-    dict(persistent_workers=True),
-    dict(persistent_workers=False),
-    dict(persistent_workers=True, prefetch_next_epoch=True),
-    dict(persistent_workers=True, fetch="sample"),
-    dict(persistent_workers=True, slot_bytes=1 << 16),
-], ids=["persistent", "new-workers", "prefetch-next-epoch", "sample", "users-slot-bytes"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(persistent_workers=True),
+        dict(persistent_workers=False),
+        dict(persistent_workers=True, prefetch_next_epoch=True),
+        dict(persistent_workers=True, fetch="sample"),
+        dict(persistent_workers=True, slot_bytes=1 << 16),
+    ],
+    ids=["persistent", "new-workers", "prefetch-next-epoch", "sample", "users-slot-bytes"],
+)
 def test_slots_grow_at_the_next_epoch_to_fit_a_batch_that_spilled(options):
     """With slot_bytes=None a batch larger than the slots sized from the first batch
     spills in its epoch; from the next epoch (the one after, where that epoch was
@@ -501,8 +556,9 @@ def test_slots_stay_as_they_are_where_larger_ones_would_not_fit(monkeypatch):
     monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(1_000_000))  # 8 small slots fit, not 8 large
     dataset = Images(64, shape=(3, 32, 32))
     want = list(torch.utils.data.DataLoader(dataset, batch_sampler=_OneLargeBatch()))
-    loader = DataLoader(dataset, batch_sampler=_OneLargeBatch(), num_workers=2,
-                        persistent_workers=True)
+    loader = DataLoader(
+        dataset, batch_sampler=_OneLargeBatch(), num_workers=2, persistent_workers=True
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for epoch in range(3):
@@ -537,10 +593,15 @@ def test_slots_do_not_grow_past_the_memory_a_ring_can_have(monkeypatch):
 def test_fallback_leaves_travel_by_torch_and_are_counted():
     def collate(samples):
         dense = torch.stack(samples)
-        return {"dense": dense, "sparse": dense.float().to_sparse(), "param": torch.nn.Parameter(dense.float())}
+        return {
+            "dense": dense,
+            "sparse": dense.float().to_sparse(),
+            "param": torch.nn.Parameter(dense.float()),
+        }
 
-    loader = DataLoader(Images(16), batch_size=4, num_workers=2, collate_fn=collate,
-                        slot_bytes=SLOT)
+    loader = DataLoader(
+        Images(16), batch_size=4, num_workers=2, collate_fn=collate, slot_bytes=SLOT
+    )
     for b, batch in enumerate(loader):
         want = _expected(16, 4)[b]
         assert torch.equal(batch["dense"], want)
@@ -553,8 +614,9 @@ def test_numpy_leaves_land_in_slot_as_arrays():
     def collate(samples):
         return np.stack([s.numpy() for s in samples]), [int(s[0, 0, 0]) for s in samples]
 
-    loader = DataLoader(Images(16), batch_size=4, num_workers=2, collate_fn=collate,
-                        slot_bytes=SLOT)
+    loader = DataLoader(
+        Images(16), batch_size=4, num_workers=2, collate_fn=collate, slot_bytes=SLOT
+    )
     for b, (array, ints) in enumerate(loader):
         assert type(array) is np.ndarray and array.dtype == np.uint8
         np.testing.assert_array_equal(array, _expected(16, 4)[b].numpy())
@@ -567,8 +629,7 @@ def test_noncontiguous_and_channels_last_leaves_keep_values_and_layout():
         stacked = torch.stack(samples).float()
         return stacked.transpose(1, 3), stacked.contiguous(memory_format=torch.channels_last)
 
-    loader = DataLoader(Images(8), batch_size=4, num_workers=2, collate_fn=collate,
-                        slot_bytes=SLOT)
+    loader = DataLoader(Images(8), batch_size=4, num_workers=2, collate_fn=collate, slot_bytes=SLOT)
     for b, (t, cl) in enumerate(loader):
         want = _expected(8, 4)[b].float()
         assert torch.equal(t, want.transpose(1, 3))
@@ -585,9 +646,17 @@ def test_absurd_slot_bytes_is_clear_error_naming_bytes():
     gc.collect()
 
 
-@pytest.mark.parametrize("name,value", [("slot_bytes", 0), ("slot_bytes", -5), ("slot_bytes", 1.5),
-                                        ("slot_bytes", True), ("num_slots", 0),
-                                        ("num_slots", 10**6)])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("slot_bytes", 0),
+        ("slot_bytes", -5),
+        ("slot_bytes", 1.5),
+        ("slot_bytes", True),
+        ("num_slots", 0),
+        ("num_slots", 10**6),
+    ],
+)
 def test_bad_ring_handover_rejected(name, value):
     with pytest.raises(ValueError, match=name):
         DataLoader(Images(8), batch_size=4, num_workers=2, **{name: value})
@@ -596,11 +665,15 @@ def test_bad_ring_handover_rejected(name, value):
 def test_namedtuple_and_nested_structure_kept():
     def collate(samples):
         stacked = torch.stack(samples)
-        return Pair(stacked, {"ids": [int(s[0, 0, 0]) for s in samples],
-                              "nested": (stacked[:, 0], {"deep": [stacked.sum()]})})
+        return Pair(
+            stacked,
+            {
+                "ids": [int(s[0, 0, 0]) for s in samples],
+                "nested": (stacked[:, 0], {"deep": [stacked.sum()]}),
+            },
+        )
 
-    loader = DataLoader(Images(8), batch_size=4, num_workers=2, collate_fn=collate,
-                        slot_bytes=SLOT)
+    loader = DataLoader(Images(8), batch_size=4, num_workers=2, collate_fn=collate, slot_bytes=SLOT)
     for b, batch in enumerate(loader):
         want = _expected(8, 4)[b]
         assert type(batch) is Pair
@@ -624,8 +697,9 @@ def test_unpicklable_batch_is_that_batch_error_not_a_dead_worker():
 
 
 def test_epochs_broken_off_midway_give_every_slot_back():
-    loader = DataLoader(Images(400), batch_size=4, num_workers=2, slot_bytes=SLOT,
-                        persistent_workers=True)
+    loader = DataLoader(
+        Images(400), batch_size=4, num_workers=2, slot_bytes=SLOT, persistent_workers=True
+    )
     expected = _expected(400, 4)
     for epoch in range(6):
         for i, batch in enumerate(loader):
@@ -650,7 +724,9 @@ def test_non_persistent_iterators_reuse_one_ring():
     assert loader.stats().ring_full_batches == 0
 
 
-@pytest.mark.parametrize("kind", ["plain", "transposed", "conj", "grad", "mixed_dtype", "mixed_shape"])
+@pytest.mark.parametrize(
+    "kind", ["plain", "transposed", "conj", "grad", "mixed_dtype", "mixed_shape"]
+)
 def test_stacking_into_slot_matches_torch_stack(kind):
     from tests.datasets_lifecycle import Rows
 
@@ -691,8 +767,7 @@ def test_shm_limit_env_simulates_small_dev_shm(monkeypatch):
 
 def test_fewer_slots_than_in_flight_warns_and_still_delivers():
     with pytest.warns(UserWarning, match=r"num_slots=2 cannot hold .* = 8 batches"):
-        loader = DataLoader(Images(64), batch_size=4, num_workers=4, slot_bytes=SLOT,
-                            num_slots=2)
+        loader = DataLoader(Images(64), batch_size=4, num_workers=4, slot_bytes=SLOT, num_slots=2)
     got = list(iter(loader))
     assert [torch.equal(a, b) for a, b in zip(got, _expected(64, 4))] == [True] * 16
 
@@ -704,8 +779,11 @@ def test_num_slots_warning_only_below_what_is_in_flight_plus_two(num_slots, warn
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         DataLoader(Images(8), batch_size=4, num_workers=2, num_slots=num_slots)
-    assert [str(w.message) for w in caught if "num_slots" in str(w.message)] != [] if warns \
-        else not caught, [str(w.message) for w in caught]
+    assert (
+        [str(w.message) for w in caught if "num_slots" in str(w.message)] != []
+        if warns
+        else not caught
+    ), [str(w.message) for w in caught]
 
 
 def test_a_batch_of_exactly_slot_bytes_fits_its_slot():
@@ -715,8 +793,14 @@ def test_a_batch_of_exactly_slot_bytes_fits_its_slot():
         got = list(DataLoader(data, batch_size=None, num_workers=1, slot_bytes=8192))
     assert len(got) == 4
     with pytest.warns(UserWarning, match="did not fit its slot"):
-        list(DataLoader(torch.zeros(4, 8193, dtype=torch.uint8), batch_size=None,
-                        num_workers=1, slot_bytes=8192))
+        list(
+            DataLoader(
+                torch.zeros(4, 8193, dtype=torch.uint8),
+                batch_size=None,
+                num_workers=1,
+                slot_bytes=8192,
+            )
+        )
 
 
 class _FailsAtEveryFourth(Images):
@@ -743,8 +827,9 @@ def _fails_in_worker_1(worker_id):
 
 ERROR_PATHS = {
     "sample-raises": dict(dataset=_FailsAtEveryFourth(64), batch_size=2),
-    "worker_init_fn-raises": dict(dataset=Images(64), batch_size=2,
-                                  worker_init_fn=_fails_in_worker_1),
+    "worker_init_fn-raises": dict(
+        dataset=Images(64), batch_size=2, worker_init_fn=_fails_in_worker_1
+    ),
     "stream-ran-out": dict(dataset=_UnevenStream(), batch_size=1, prefetch_factor=4),
 }
 
@@ -755,8 +840,9 @@ def test_every_error_path_gives_its_slot_back(path, persistent):
     """A task a worker answers without a batch (its sample raised, its worker_init_fn
     failed, its stream ran out before it came) gives back the slot claimed for it: over
     epochs no slot is lost, so no batch travels by torch's transport for want of one."""
-    loader = DataLoader(num_workers=2, slot_bytes=SLOT, persistent_workers=persistent,
-                        **ERROR_PATHS[path])
+    loader = DataLoader(
+        num_workers=2, slot_bytes=SLOT, persistent_workers=persistent, **ERROR_PATHS[path]
+    )
     batches = 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the ring-full warning
@@ -787,15 +873,27 @@ def _rebuilt(loader):
     attrs["multiprocessing_context"] = loader.multiprocessing_context
     params = inspect.signature(type(loader).__init__).parameters
     kwargs = {k: v for k, v in attrs.items() if k in params and params[k].default is not v}
-    kwargs.update(dataset=loader.dataset, sampler=loader.sampler, shuffle=False,
-                  batch_sampler=None, batch_size=loader.batch_sampler.batch_size,
-                  drop_last=loader.batch_sampler.drop_last)
+    kwargs.update(
+        dataset=loader.dataset,
+        sampler=loader.sampler,
+        shuffle=False,
+        batch_sampler=None,
+        batch_size=loader.batch_sampler.batch_size,
+        drop_last=loader.batch_sampler.drop_last,
+    )
     return type(loader)(**kwargs)
 
 
 def test_loader_rebuilt_from_its_attributes_keeps_every_option():
-    options = dict(slot_bytes=3 * SLOT, num_slots=7, fetch="sample", assignment="dynamic",
-                   seed_per_sample=True, persistent_workers=True, prefetch_next_epoch=True)
+    options = dict(
+        slot_bytes=3 * SLOT,
+        num_slots=7,
+        fetch="sample",
+        assignment="dynamic",
+        seed_per_sample=True,
+        persistent_workers=True,
+        prefetch_next_epoch=True,
+    )
     loader = DataLoader(Images(16), batch_size=4, num_workers=2, **options)
     rebuilt = _rebuilt(loader)
     assert {k: getattr(rebuilt, k) for k in options} == options
@@ -825,8 +923,14 @@ def test_options_set_after_construction_apply_at_iter():
 def test_options_set_between_epochs_of_persistent_workers_apply_at_iter():
     """A persistent loader's options are read and checked at each iter() too: a bad one is
     refused, and a changed ring size starts its workers and ring afresh."""
-    loader = DataLoader(Images(16), batch_size=4, num_workers=2, persistent_workers=True,
-                        slot_bytes=SLOT, num_slots=9)
+    loader = DataLoader(
+        Images(16),
+        batch_size=4,
+        num_workers=2,
+        persistent_workers=True,
+        slot_bytes=SLOT,
+        num_slots=9,
+    )
     assert [torch.equal(a, b) for a, b in zip(list(loader), _expected(16, 4))] == [True] * 4
     first_pids = set(loader._iterator._pool.pids)
     loader.fetch = "rows"
@@ -843,8 +947,9 @@ def test_options_set_between_epochs_of_persistent_workers_apply_at_iter():
 def test_options_set_to_the_values_they_had_keep_the_persistent_workers():
     """device="cpu" is device=None's CPU batches, and assignment="interleaved" is
     fetch="sample"'s default: setting them changes nothing, so the workers go on."""
-    loader = DataLoader(Images(16), batch_size=4, num_workers=2, persistent_workers=True,
-                        fetch="sample")
+    loader = DataLoader(
+        Images(16), batch_size=4, num_workers=2, persistent_workers=True, fetch="sample"
+    )
     list(loader)
     pids = loader._iterator._pool.pids
     loader.device, loader.assignment = "cpu", "interleaved"
@@ -855,8 +960,13 @@ def test_options_set_to_the_values_they_had_keep_the_persistent_workers():
 def test_numpy_integers_are_accepted_as_slot_sizes_and_counts():
     """numpy's integers pass as torch's own integer arguments do (num_workers), become
     Python ints, and numpy's bools are refused as Python's are."""
-    loader = DataLoader(Images(16), batch_size=4, num_workers=np.int64(2),
-                        slot_bytes=np.int64(SLOT), num_slots=np.int32(9))
+    loader = DataLoader(
+        Images(16),
+        batch_size=4,
+        num_workers=np.int64(2),
+        slot_bytes=np.int64(SLOT),
+        num_slots=np.int32(9),
+    )
     assert (type(loader.slot_bytes), type(loader.num_slots)) == (int, int)
     got = list(loader)
     assert [torch.equal(a, b) for a, b in zip(got, _expected(16, 4))] == [True] * 4
@@ -910,8 +1020,13 @@ def test_kept_small_leaves_hold_no_slot(monkeypatch):
 def test_dropped_batch_gives_its_slot_back_without_the_garbage_collector():
     """Nothing of the decoding keeps a batch alive in a reference cycle: with the garbage
     collector off, a batch's slot is free again as soon as the batch is dropped."""
-    loader = DataLoader(Images(64), batch_size=4, num_workers=2, slot_bytes=SLOT,
-                        collate_fn=lambda batch: {"images": torch.stack(batch)})
+    loader = DataLoader(
+        Images(64),
+        batch_size=4,
+        num_workers=2,
+        slot_bytes=SLOT,
+        collate_fn=lambda batch: {"images": torch.stack(batch)},
+    )
     gc.disable()
     try:
         for batch in loader:

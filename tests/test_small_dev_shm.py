@@ -3,6 +3,7 @@ default, 1 MB, or a read-only one, as on AWS Lambda).  Each test runs a child pr
 a private mount namespace whose /dev/shm is a real tmpfs of that kind; the ring lives in
 memfd memory, so every batch that goes through it needs no byte of /dev/shm.  The tests
 skip, saying why, where the namespace cannot be made (not root, no unshare)."""
+
 import os
 import signal
 import subprocess
@@ -42,10 +43,10 @@ SHM_KINDS = {
     "1m": "mount -t tmpfs -o size=1m tmpfs /dev/shm",
     "read-only": "mount -t tmpfs -o ro,size=1m tmpfs /dev/shm",
     "missing": "mkdir -p /run/shmloader-dev && mount --bind /dev /run/shmloader-dev && "
-               "mount -t tmpfs -o size=1m,mode=755 tmpfs /dev && "
-               "for n in null zero full random urandom; do touch /dev/$n && "
-               "mount --bind /run/shmloader-dev/$n /dev/$n || exit 1; done && "
-               "ln -s /proc/self/fd /dev/fd && umount -l /run/shmloader-dev",
+    "mount -t tmpfs -o size=1m,mode=755 tmpfs /dev && "
+    "for n in null zero full random urandom; do touch /dev/$n && "
+    "mount --bind /run/shmloader-dev/$n /dev/$n || exit 1; done && "
+    "ln -s /proc/self/fd /dev/fd && umount -l /run/shmloader-dev",
     "64m": "mount -t tmpfs -o size=64m tmpfs /dev/shm",
     "roomy": "mount -t tmpfs tmpfs /dev/shm",
 }
@@ -57,11 +58,19 @@ def run_with_dev_shm(kind: str, script: str, timeout: float = 600, env=None):
     setup = SHM_KINDS[kind]
     probe = subprocess.run(["unshare", "-m", "sh", "-c", setup], capture_output=True)
     if probe.returncode != 0:
-        pytest.skip(f"needs `unshare -m` and mount (root) for a private /dev/shm "
-                    f"({probe.stderr.decode().strip()})")
-    command = f"{setup} && exec {sys.executable} -c \"$0\""
-    return subprocess.run(["unshare", "-m", "sh", "-c", command, PRELUDE + script],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+        pytest.skip(
+            f"needs `unshare -m` and mount (root) for a private /dev/shm "
+            f"({probe.stderr.decode().strip()})"
+        )
+    command = f'{setup} && exec {sys.executable} -c "$0"'
+    return subprocess.run(
+        ["unshare", "-m", "sh", "-c", command, PRELUDE + script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def _output(done):
@@ -117,8 +126,9 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("shm, context", [("1m", "fork"), ("read-only", "forkserver"),
-                                          ("missing", "spawn")])
+@pytest.mark.parametrize(
+    "shm, context", [("1m", "fork"), ("read-only", "forkserver"), ("missing", "spawn")]
+)
 @pytest.mark.slow
 def test_batches_outside_the_ring_need_no_dev_shm(shm, context):
     """Batches before the ring is sized, larger than their slot, and while the loop holds
@@ -222,15 +232,20 @@ def test_nothing_is_left_after_the_main_process_is_killed():
     probe = subprocess.run(["unshare", "-m", "sh", "-c", SHM_KINDS["1m"]], capture_output=True)
     if probe.returncode != 0:
         pytest.skip("needs `unshare -m` and mount (root) for a private /dev/shm")
-    command = f"{SHM_KINDS['1m']} && exec {sys.executable} -c \"$0\""
-    child = subprocess.Popen(["unshare", "-m", "sh", "-c", command, PRELUDE + KILLED_SCRIPT],
-                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    command = f'{SHM_KINDS["1m"]} && exec {sys.executable} -c "$0"'
+    child = subprocess.Popen(
+        ["unshare", "-m", "sh", "-c", command, PRELUDE + KILLED_SCRIPT],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         workers = [int(p) for p in child.stdout.readline().split()]
         ring = _memfds(child.pid)
         assert len(workers) == 2 and len(ring) == 1
-        wait_until(lambda: all(_memfds(p) == ring for p in workers), 60,
-                   "every worker holds the ring")
+        wait_until(
+            lambda: all(_memfds(p) == ring for p in workers), 60, "every worker holds the ring"
+        )
         child.send_signal(signal.SIGKILL)
         child.wait(60)
         wait_until(lambda: not any(alive(p) for p in workers), 60, "the workers exited")
@@ -245,10 +260,13 @@ def test_nothing_is_left_after_the_main_process_is_killed():
 def memfd_refused(tmp_path_factory):
     """A library under which memfd_create fails as a seccomp filter or a kernel older
     than 3.17 makes it fail (ENOSYS)."""
-    return preload_library(tmp_path_factory.mktemp("preload"), "no_memfd",
-                           "#include <errno.h>\n"
-                           "int memfd_create(const char *name, unsigned int flags) "
-                           "{ errno = ENOSYS; return -1; }\n")
+    return preload_library(
+        tmp_path_factory.mktemp("preload"),
+        "no_memfd",
+        "#include <errno.h>\n"
+        "int memfd_create(const char *name, unsigned int flags) "
+        "{ errno = ENOSYS; return -1; }\n",
+    )
 
 
 @pytest.mark.slow
@@ -265,6 +283,7 @@ assert stats.ring_memory.startswith("/dev/shm (memfd_create refused: "), stats.r
 assert stats.unsized_batches and stats.slot_batches, stats
 print("ok" if ok else "differs", os.listdir("/dev/shm"))
 """
-    out = _output(run_with_dev_shm("roomy", script,
-                                   env={**os.environ, "LD_PRELOAD": memfd_refused}))
+    out = _output(
+        run_with_dev_shm("roomy", script, env={**os.environ, "LD_PRELOAD": memfd_refused})
+    )
     assert out == ["ok", "[]"]

@@ -1,5 +1,6 @@
 """loader.stats(): counts after runs whose counts are known in advance.  No timing assertion:
 times are only checked to be consistent (non-negative, wait <= wall, fraction in [0, 1])."""
+
 import functools
 import gc
 import os
@@ -27,8 +28,9 @@ def consistent(stats):
     assert stats.wait_seconds >= 0 and stats.wall_seconds >= 0
     assert stats.wait_seconds <= stats.wall_seconds + 1e-6
     assert 0.0 <= stats.wait_fraction <= 1.0
-    assert (stats.slot_batches + stats.unsized_batches + stats.ring_full_batches
-            + stats.spilled_batches) == stats.batches, stats
+    assert (
+        stats.slot_batches + stats.unsized_batches + stats.ring_full_batches + stats.spilled_batches
+    ) == stats.batches, stats
     assert 0 <= stats.occupancy_max <= stats.ring_slots
     assert 0 <= stats.occupancy_mean <= stats.occupancy_max
     assert stats.bytes_moved == sum(w.bytes for w in stats.workers)
@@ -50,7 +52,12 @@ def run_epochs(loader, epochs=1, keep=False):
 def test_fresh_loader_is_all_zero():
     loader = DataLoader(Images(8), batch_size=4, num_workers=2)
     stats = loader.stats()
-    assert (stats.batches, stats.samples, stats.slot_batches, stats.prefetched_epochs) == (0, 0, 0, 0)
+    assert (stats.batches, stats.samples, stats.slot_batches, stats.prefetched_epochs) == (
+        0,
+        0,
+        0,
+        0,
+    )
     assert stats.wait_fraction == 0.0 and stats.bytes_moved == 0 and stats.workers == ()
     assert "0 batches" in str(stats)
 
@@ -58,8 +65,9 @@ def test_fresh_loader_is_all_zero():
 @pytest.mark.parametrize("drop_last, samples, batches", [(False, 30, 8), (True, 28, 7)])
 def test_batch_mode_counts(drop_last, samples, batches):
     """30 samples in batches of 4: 8 batches with a partial last one (30 samples), or 7 (28)."""
-    loader = DataLoader(Images(30), batch_size=4, num_workers=2, slot_bytes=SLOT,
-                        drop_last=drop_last)
+    loader = DataLoader(
+        Images(30), batch_size=4, num_workers=2, slot_bytes=SLOT, drop_last=drop_last
+    )
     run_epochs(loader)
     stats = loader.stats()
     consistent(stats)
@@ -79,20 +87,28 @@ def test_batch_mode_counts(drop_last, samples, batches):
 @pytest.mark.parametrize("num_workers", [2, 3])
 def test_sample_mode_interleaved_counts(num_workers):
     """fetch="sample", "interleaved": the sample at position p is worker p % num_workers's."""
-    loader = DataLoader(Images(30), batch_size=4, num_workers=num_workers, fetch="sample",
-                        assignment="interleaved")
+    loader = DataLoader(
+        Images(30), batch_size=4, num_workers=num_workers, fetch="sample", assignment="interleaved"
+    )
     run_epochs(loader)
     stats = loader.stats()
     consistent(stats)
     assert (stats.batches, stats.samples, stats.slot_batches) == (8, 30, 8)
     assert [w.samples for w in stats.workers] == [
-        len(range(i, 30, num_workers)) for i in range(num_workers)]
+        len(range(i, 30, num_workers)) for i in range(num_workers)
+    ]
     assert stats.bytes_moved == 30 * 3 * 8 * 8  # each sample's row, once
 
 
 def test_sample_mode_dynamic_counts():
-    loader = DataLoader(Images(30), batch_size=4, num_workers=3, fetch="sample",
-                        assignment="dynamic", drop_last=True)
+    loader = DataLoader(
+        Images(30),
+        batch_size=4,
+        num_workers=3,
+        fetch="sample",
+        assignment="dynamic",
+        drop_last=True,
+    )
     run_epochs(loader)
     stats = loader.stats()
     consistent(stats)
@@ -143,6 +159,7 @@ def test_no_ring_full_when_batches_are_dropped():
 def test_spills_counted_batch_mode():
     """batch_size=None, samples growing from 256 B to 64 KiB, 4 KiB slots: the big ones spill
     (delivered whole by torch's transport), the small ones use the ring."""
+
     class Growing(tud.Dataset):
         def __len__(self):
             return 10
@@ -167,8 +184,9 @@ def test_bytes_moved_counts_the_tensors_torchs_transport_shares(slot_bytes):
     """Batches before the ring is sized (slot_bytes=None) or spilled (every one, with
     1000-byte slots) go by torch's transport: their tensors' bytes count as moved too."""
     dataset = [torch.full((3, 64, 64), float(i)) for i in range(64)]
-    loader = DataLoader(dataset, batch_size=8, num_workers=2, persistent_workers=True,
-                        slot_bytes=slot_bytes)
+    loader = DataLoader(
+        dataset, batch_size=8, num_workers=2, persistent_workers=True, slot_bytes=slot_bytes
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(2):  # the work before the ring counts once the workers have it
@@ -183,8 +201,9 @@ def test_spills_counted_sample_mode():
     """fetch="sample": the first batch (2 samples of 12 KiB) fixes rows for 2 samples; batches
     of 6 do not fit a slot and spill whole."""
     make = P(Images, 24, shape=(3, 32, 128))
-    loader = DataLoader(make(), batch_sampler=D.VaryingBatchSampler(24, [2, 6]), num_workers=2,
-                        fetch="sample")
+    loader = DataLoader(
+        make(), batch_sampler=D.VaryingBatchSampler(24, [2, 6]), num_workers=2, fetch="sample"
+    )
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         got = [b.clone() for b in loader]
@@ -199,8 +218,9 @@ def test_spills_counted_sample_mode():
 def test_counts_add_up_over_epochs_and_iterators():
     """Persistent workers over 2 epochs, then a non-persistent loader over 2 iterators: the
     snapshot covers all of a loader's iterators."""
-    persistent = DataLoader(Images(30), batch_size=4, num_workers=2, slot_bytes=SLOT,
-                            persistent_workers=True)
+    persistent = DataLoader(
+        Images(30), batch_size=4, num_workers=2, slot_bytes=SLOT, persistent_workers=True
+    )
     run_epochs(persistent, epochs=2)
     stats = persistent.stats()
     consistent(stats)
@@ -216,8 +236,9 @@ def test_counts_add_up_over_epochs_and_iterators():
 
 
 def test_snapshot_does_not_change_afterwards():
-    loader = DataLoader(Images(16), batch_size=4, num_workers=2, slot_bytes=SLOT,
-                        persistent_workers=True)
+    loader = DataLoader(
+        Images(16), batch_size=4, num_workers=2, slot_bytes=SLOT, persistent_workers=True
+    )
     run_epochs(loader)
     first = loader.stats()
     run_epochs(loader)
@@ -261,8 +282,13 @@ def test_wait_for_a_failed_batch_counts_in_wall_time():
     gate, go = os.pipe()
     try:
         # (A ring from the start: the loop does nothing but wait between its byte and the error.)
-        loader = DataLoader(_SlowFailing(gate), batch_size=2, num_workers=2, slot_bytes=SLOT,
-                            multiprocessing_context="fork")  # (the workers inherit `gate`)
+        loader = DataLoader(
+            _SlowFailing(gate),
+            batch_size=2,
+            num_workers=2,
+            slot_bytes=SLOT,
+            multiprocessing_context="fork",
+        )  # (the workers inherit `gate`)
         with pytest.raises(ValueError, match="bad sample"):
             for _ in loader:
                 os.write(go, b"x")  # batch 0 taken: batch 1's second starts as the loop waits
@@ -287,7 +313,9 @@ def test_fallback_leaves_counted():
         dense = torch.stack(samples)
         return {"dense": dense, "sparse": dense.float().to_sparse()}
 
-    loader = DataLoader(Images(12), batch_size=4, num_workers=2, slot_bytes=SLOT, collate_fn=collate)
+    loader = DataLoader(
+        Images(12), batch_size=4, num_workers=2, slot_bytes=SLOT, collate_fn=collate
+    )
     run_epochs(loader)
     stats = loader.stats()
     consistent(stats)

@@ -1,5 +1,6 @@
 """The torch internals shmloader relies on are checked once, at import, and
 named with the torch version where one is missing (shmloader/_torch_api.py)."""
+
 import ast
 import re
 import subprocess
@@ -34,23 +35,35 @@ def test_every_private_torch_name_imported_is_checked_at_import():
 
 @pytest.mark.slow
 def test_a_torch_without_a_name_shmloader_needs_fails_at_import_naming_it():
-    script = ("import torch.utils.data.dataloader as d\n"
-              "del d._BaseDataLoaderIter\n"
-              "import shmloader\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         cwd=PACKAGE.parent, timeout=120)
+    script = (
+        "import torch.utils.data.dataloader as d\ndel d._BaseDataLoaderIter\nimport shmloader\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=PACKAGE.parent,
+        timeout=120,
+    )
     assert out.returncode == 1
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: shmloader needs "
-                           "torch.utils.data.dataloader._BaseDataLoaderIter"), last
+    assert last.startswith(
+        "ImportError: shmloader needs torch.utils.data.dataloader._BaseDataLoaderIter"
+    ), last
     assert f"torch {torch.__version__} does not have" in last and _torch_api.SUPPORTED in last
 
 
 def test_an_iterator_missing_an_attribute_torch_sets_is_named(monkeypatch):
-    monkeypatch.setattr(_torch_api, "ITERATOR_ATTRIBUTES",
-                        _torch_api.ITERATOR_ATTRIBUTES + ("_attribute_of_another_torch",))
-    with pytest.raises(RuntimeError, match=r"needs _BaseDataLoaderIter\._attribute_of_another_"
-                                           rf"torch, which torch {re.escape(torch.__version__)} does not"):
+    monkeypatch.setattr(
+        _torch_api,
+        "ITERATOR_ATTRIBUTES",
+        _torch_api.ITERATOR_ATTRIBUTES + ("_attribute_of_another_torch",),
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"needs _BaseDataLoaderIter\._attribute_of_another_"
+        rf"torch, which torch {re.escape(torch.__version__)} does not",
+    ):
         iter(DataLoader(Images(8), batch_size=4, num_workers=2))
 
 

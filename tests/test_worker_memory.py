@@ -1,6 +1,7 @@
 """Workers keep the memory of freed samples (shmloader/_malloc.py): a block that
 glibc would otherwise map afresh and unmap for every sample comes from the heap,
 so no batch pays page faults for memory the previous one gave back."""
+
 import ctypes
 
 import pytest
@@ -45,16 +46,27 @@ class MallocProbe(Dataset):
 def test_worker_malloc_keeps_freed_memory(context):
     """A spawned worker starts with glibc's defaults (its mmap threshold is below BLOCK):
     only keep_freed_memory puts BLOCK on the heap."""
-    got = torch.cat(list(DataLoader(MallocProbe(), batch_size=2, num_workers=2,
-                                    multiprocessing_context=context)))
+    got = torch.cat(
+        list(
+            DataLoader(MallocProbe(), batch_size=2, num_workers=2, multiprocessing_context=context)
+        )
+    )
     assert got.tolist() == [True] * 4
 
 
 @pytest.mark.slow
 def test_worker_init_fn_may_set_its_own_malloc_options():
-    got = torch.cat(list(DataLoader(MallocProbe(), batch_size=2, num_workers=2,
-                                    multiprocessing_context="spawn",
-                                    worker_init_fn=_default_mmap_threshold)))
+    got = torch.cat(
+        list(
+            DataLoader(
+                MallocProbe(),
+                batch_size=2,
+                num_workers=2,
+                multiprocessing_context="spawn",
+                worker_init_fn=_default_mmap_threshold,
+            )
+        )
+    )
     assert got.tolist() == [False] * 4
 
 

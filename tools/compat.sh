@@ -16,18 +16,21 @@ shift
 python_version=3.11
 if [[ $# -gt 0 && $1 != -- ]]; then python_version=$1; shift; fi
 [[ $# -gt 0 && $1 == -- ]] && shift
-# torch 2.6 and 2.7's collate fails on numpy 2.3+'s np.bool_ (a torch bug).
+# torch's own collate before 2.10 fails on numpy 2.3+'s np.bool_ (a torch bug).
 case $torch_version in
-    2.6.*|2.7.*) default_numpy="numpy<2.3" ;;
+    2.6.*|2.7.*|2.8.*|2.9.*) default_numpy="numpy<2.3" ;;
     *) default_numpy="numpy" ;;
 esac
 numpy=${NUMPY:-$default_numpy}
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
-python=$(command -v "python$python_version" || true)
-if [[ -z $python ]] && command -v pyenv >/dev/null; then
-    python=$(PYENV_VERSION=$(pyenv versions --bare | grep -m1 "^$python_version") pyenv which python)
+# pyenv's interpreter of that version first (its shims answer only for the
+# versions a project selects), else the one on PATH.
+python=
+if command -v pyenv >/dev/null; then
+    python=$(ls -d "$(pyenv root)/versions/$python_version"*/bin/python 2>/dev/null | tail -1)
 fi
+[[ -n $python ]] || python=$(command -v "python$python_version" || true)
 [[ -x $python ]] || { echo "no python$python_version found (pyenv or PATH)" >&2; exit 2; }
 
 where=${COMPAT_DIR:-/tmp/shmloader-compat}/torch-$torch_version-py$python_version

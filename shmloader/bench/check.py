@@ -7,6 +7,7 @@ numpy Generator, os.urandom, the clock) yields other values on every call; its b
 can only be compared by structure: the same containers, keys, lengths, tensor shapes
 and dtypes, and non-tensor leaves of the same types.
 """
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ _END = object()  # next()'s default: the iterator is exhausted
 @dataclass(frozen=True)
 class Check:
     """What the first epoch's comparison found."""
+
     mode: str  # EXACT or STRUCTURE
     reference: str  # the loader every other one is compared with
     compared: tuple[str, ...]
@@ -53,7 +55,9 @@ def first_difference(ref: Any, got: Any, path: str, values: bool = True) -> str 
             return f"{path}: {len(got)} items where the reference has {len(ref)}"
         pairs = [(r, g, f"{path}[{i}]") for i, (r, g) in enumerate(zip(ref, got))]
     else:
-        return None if not values or ref == got else f"{path}: {got!r} where the reference has {ref!r}"
+        return (
+            None if not values or ref == got else f"{path}: {got!r} where the reference has {ref!r}"
+        )
     return next((d for d in (first_difference(*p, values) for p in pairs) if d is not None), None)
 
 
@@ -63,12 +67,17 @@ def _equal(ref: torch.Tensor | np.ndarray, got: torch.Tensor | np.ndarray) -> bo
         return np.array_equal(ref, got, equal_nan=ref.dtype.kind in "fc")
     if torch.equal(ref, got):
         return True
-    return (ref.is_floating_point() or ref.is_complex()) and \
-        torch.allclose(ref, got, rtol=0, atol=0, equal_nan=True)
+    return (ref.is_floating_point() or ref.is_complex()) and torch.allclose(
+        ref, got, rtol=0, atol=0, equal_nan=True
+    )
 
 
-def first_epoch_check(loaders: dict[str, Any], mode: str = EXACT, max_batches: int | None = None,
-                      on_batch: Callable[[], None] | None = None) -> Check:
+def first_epoch_check(
+    loaders: dict[str, Any],
+    mode: str = EXACT,
+    max_batches: int | None = None,
+    on_batch: Callable[[], None] | None = None,
+) -> Check:
     """Run every loader's first, unmeasured epoch (its first max_batches batches, if
     given) side by side, batch by batch, comparing each loader's batch with the first
     loader's (the reference's). Comparing in lock-step keeps one batch per loader in

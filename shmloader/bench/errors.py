@@ -1,5 +1,6 @@
 """The two ways a measurement fails, the user's traceback, and the optional packages it
 may need."""
+
 import importlib
 import sys
 import traceback
@@ -30,12 +31,20 @@ def user_trace() -> str:
     its frames, a call with the wrong arguments, say: the message says it all)."""
     kind, error, tb = sys.exc_info()
     here = str(Path(__file__).parent)
-    frames = [frame for frame in traceback.extract_tb(tb)
-              if not frame.filename.startswith((here, "<frozen "))]
+    frames = [
+        frame
+        for frame in traceback.extract_tb(tb)
+        if not frame.filename.startswith((here, "<frozen "))
+    ]
     if not frames:
         return ""
-    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames),
-                    *traceback.format_exception_only(kind, error)])
+    return "".join(
+        [
+            "Traceback (most recent call last):\n",
+            *traceback.format_list(frames),
+            *traceback.format_exception_only(kind, error),
+        ]
+    )
 
 
 def require(module: str, purpose: str) -> ModuleType:
@@ -45,5 +54,6 @@ def require(module: str, purpose: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as error:
         package = module.partition(".")[0]
-        raise InputError(f"{purpose} needs {package}, which cannot be imported ({error}): "
-                         f"{INSTALL_EXTRA}") from None
+        raise InputError(
+            f"{purpose} needs {package}, which cannot be imported ({error}): {INSTALL_EXTRA}"
+        ) from None

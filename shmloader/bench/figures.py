@@ -1,6 +1,7 @@
 """The figures of a measurement (session.py): medians over repetitions, ratios to torch.
 Every figure that benchmarks/ and `python -m shmloader.compare` report is defined here.
 """
+
 import dataclasses
 import statistics
 from typing import TYPE_CHECKING, Any
@@ -30,40 +31,60 @@ def throughput_figures(epochs: list[Epoch]) -> dict[str, Any]:
     }
 
 
-def figures(epochs: list[Epoch], first_batch_reps_s: list[float], memory: dict[str, Any] | None,
-            stats: Any, limit: dict[str, Any] | None) -> dict[str, Any]:
+def figures(
+    epochs: list[Epoch],
+    first_batch_reps_s: list[float],
+    memory: dict[str, Any] | None,
+    stats: Any,
+    limit: dict[str, Any] | None,
+) -> dict[str, Any]:
     """One loader's figures, with its throughput as a fraction of the limit's where the
     limit was measured."""
     result = throughput_figures(epochs)
     if limit is not None:
         result["fraction_of_limit"] = result["samples_per_s"] / limit["samples_per_s"]
-    result.update({
-        # What the training loop loses to the loader: the main process's CPU less the
-        # consumer's own (the same reads for every loader, though they cost more on
-        # torch's fresh segments), with both kept beside it.
-        "cpu_s_per_batch": statistics.median(e.loader_cpu_s / e.batches for e in epochs),
-        "main_cpu_s_per_batch": statistics.median(e.cpu_s / e.batches for e in epochs),
-        "consumer_cpu_s_per_batch": statistics.median(e.consumer_cpu_s / e.batches for e in epochs),
-        # Of the epoch's time, how long the loop was blocked waiting for the next batch:
-        # near 1 the loop is data-bound, near 0 the loader keeps up.
-        "wait_fraction": statistics.median(e.wait_s / e.wall_s for e in epochs),
-        "first_batch_s": statistics.median(first_batch_reps_s),
-        "memory": memory,
-        "first_batch_reps_s": first_batch_reps_s,
-    })
+    result.update(
+        {
+            # What the training loop loses to the loader: the main process's CPU less the
+            # consumer's own (the same reads for every loader, though they cost more on
+            # torch's fresh segments), with both kept beside it.
+            "cpu_s_per_batch": statistics.median(e.loader_cpu_s / e.batches for e in epochs),
+            "main_cpu_s_per_batch": statistics.median(e.cpu_s / e.batches for e in epochs),
+            "consumer_cpu_s_per_batch": statistics.median(
+                e.consumer_cpu_s / e.batches for e in epochs
+            ),
+            # Of the epoch's time, how long the loop was blocked waiting for the next batch:
+            # near 1 the loop is data-bound, near 0 the loader keeps up.
+            "wait_fraction": statistics.median(e.wait_s / e.wall_s for e in epochs),
+            "first_batch_s": statistics.median(first_batch_reps_s),
+            "memory": memory,
+            "first_batch_reps_s": first_batch_reps_s,
+        }
+    )
     if stats is not None:
-        result["stats"] = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else repr(stats)
+        result["stats"] = (
+            dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else repr(stats)
+        )
     return result
 
 
-def measurement_figures(measurement: "Measurement") -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
+def measurement_figures(
+    measurement: "Measurement",
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
     """(figures by loader name, the limit's throughput figures or None)."""
     epochs = measurement.epochs
     # The limit's main process only waits: it has throughput figures and nothing else.
     limit = throughput_figures(epochs[LIMIT]) if LIMIT in epochs else None
-    loaders = {name: figures(epochs[name], measurement.first_batch_s[name], measurement.memory[name],
-                             measurement.stats[name], limit)
-               for name in measurement.first_batch_s}
+    loaders = {
+        name: figures(
+            epochs[name],
+            measurement.first_batch_s[name],
+            measurement.memory[name],
+            measurement.stats[name],
+            limit,
+        )
+        for name in measurement.first_batch_s
+    }
     return loaders, limit
 
 
@@ -78,7 +99,12 @@ def ratios(loaders: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
             continue
         ratio = {key: _ratio(figs[key], ref[key]) for key in RATIO_FIGURES}
         if figs["memory"] and ref["memory"]:
-            ratio.update({key: _ratio(figs["memory"][key], ref["memory"][key]) for key in MEMORY_RATIO_FIGURES})
+            ratio.update(
+                {
+                    key: _ratio(figs["memory"][key], ref["memory"][key])
+                    for key in MEMORY_RATIO_FIGURES
+                }
+            )
         result[f"{name}/{REFERENCE}"] = ratio
     return result
 

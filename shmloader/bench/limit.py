@@ -19,6 +19,7 @@ batch and ran at a fifth of its speed on 12 MB samples). The limit's workers the
 tell malloc to keep freed memory, as shmloader's workers do (shmloader/_malloc.py);
 torch's workers leave malloc as it is.
 """
+
 import contextlib
 import multiprocessing
 import time
@@ -53,7 +54,12 @@ class BufferCollate:
         self._buffer = torch.frombuffer(memory, dtype=torch.uint8)
         self._buffer.fill_(0)  # fault every page in now, not in the first timed epoch
         self._used = 0
-        self._map = {**default_collate_fn_map, torch.Tensor: self._stack, int: self._numbers, float: self._numbers}
+        self._map = {
+            **default_collate_fn_map,
+            torch.Tensor: self._stack,
+            int: self._numbers,
+            float: self._numbers,
+        }
 
     def __call__(self, samples: list) -> Any:
         self._used = 0
@@ -63,8 +69,10 @@ class BufferCollate:
         start = -(-self._used // ALIGN) * ALIGN
         self._used = start + prod(shape) * dtype.itemsize
         if self._used > self._buffer.numel():
-            raise RuntimeError(f"a batch needs more than the {self._buffer.numel()} bytes sized from the first one")
-        return self._buffer[start:self._used].view(dtype).view(shape)
+            raise RuntimeError(
+                f"a batch needs more than the {self._buffer.numel()} bytes sized from the first one"
+            )
+        return self._buffer[start : self._used].view(dtype).view(shape)
 
     def _stack(self, batch: list[torch.Tensor], *, collate_fn_map=None) -> torch.Tensor:
         # What collate_tensor_fn does in a worker, with this buffer as `out`; plain rows
@@ -89,8 +97,13 @@ def _worker(dataset: Any, batches: list[list[int]], nbytes: int, spec: Spec, con
     keep_freed_memory()
     ring = Ring.create_in(SHM_DIR, 1, nbytes)  # shared memory as a loader's slot is
     ring.reserve(0)
-    fetcher = _DatasetKind.create_fetcher(_DatasetKind.Map, dataset, auto_collation=True,
-                                          collate_fn=BufferCollate(ring.memory(0)), drop_last=False)
+    fetcher = _DatasetKind.create_fetcher(
+        _DatasetKind.Map,
+        dataset,
+        auto_collation=True,
+        collate_fn=BufferCollate(ring.memory(0)),
+        drop_last=False,
+    )
     try:
         conn.send("ready")
         while conn.recv():
@@ -120,8 +133,17 @@ class TransportFreeLimit:
         for worker_id in range(num_workers):
             conn, child_conn = context.Pipe()
             # Round robin from worker 0, as both loaders dispatch an epoch's batches.
-            process = context.Process(target=_worker, daemon=True, args=(
-                dataset, batches[worker_id::num_workers], buffer_bytes(spec), spec, child_conn))
+            process = context.Process(
+                target=_worker,
+                daemon=True,
+                args=(
+                    dataset,
+                    batches[worker_id::num_workers],
+                    buffer_bytes(spec),
+                    spec,
+                    child_conn,
+                ),
+            )
             process.start()
             child_conn.close()
             self._conns.append(conn)
@@ -135,8 +157,13 @@ class TransportFreeLimit:
             conn.send(True)
         results = [self._receive(worker_id) for worker_id in range(len(self._conns))]
         wall_s = time.perf_counter() - wall_start
-        return Epoch(wall_s, time.process_time() - cpu_start, self._batches,
-                     sum(samples for samples, _ in results), sum(nbytes for _, nbytes in results))
+        return Epoch(
+            wall_s,
+            time.process_time() - cpu_start,
+            self._batches,
+            sum(samples for samples, _ in results),
+            sum(nbytes for _, nbytes in results),
+        )
 
     def _receive(self, worker_id: int) -> Any:
         try:
@@ -144,8 +171,9 @@ class TransportFreeLimit:
         except EOFError:  # the worker is gone; its traceback, if any, is on stderr
             process = self._processes[worker_id]
             process.join()
-            raise BenchmarkError(f"limit worker {worker_id} (pid {process.pid}) exited with code "
-                                 f"{process.exitcode}") from None
+            raise BenchmarkError(
+                f"limit worker {worker_id} (pid {process.pid}) exited with code {process.exitcode}"
+            ) from None
 
     def __enter__(self) -> "TransportFreeLimit":
         return self

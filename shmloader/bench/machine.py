@@ -1,5 +1,6 @@
 """The machine and the versions a record of figures names, so that figures can be traced to
 where and with what they were measured."""
+
 import importlib.metadata
 import os
 import platform
@@ -36,18 +37,28 @@ def machine() -> dict[str, Any]:
 
 def machine_line(m: dict[str, Any]) -> str:
     commit = f" at {m['shmloader_commit']}" if m["shmloader_commit"] else ""
-    return (f"{m['cores']} cores ({m['cpu_model']}), {m['memory_bytes'] / 2**30:.1f} GiB, Python {m['python']}, "
-            f"torch {m['torch']}, numpy {m['numpy']}, {m['platform']}, shmloader {m['shmloader']}{commit}")
+    return (
+        f"{m['cores']} cores ({m['cpu_model']}), {m['memory_bytes'] / 2**30:.1f} GiB, Python {m['python']}, "
+        f"torch {m['torch']}, numpy {m['numpy']}, {m['platform']}, shmloader {m['shmloader']}{commit}"
+    )
 
 
 def _commit(path: str) -> str | None:
     """The git commit of the checkout that holds `path`, "+" if it has changes; None for
     an installed package."""
     try:
-        head = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", path, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "-C", path, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        dirty = subprocess.run(
+            ["git", "-C", path, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except OSError:  # no git
         return None
     if head.returncode:
@@ -57,7 +68,9 @@ def _commit(path: str) -> str | None:
 
 def _cpu_model() -> str | None:
     with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+        return next(
+            (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None
+        )
 
 
 def _meminfo_bytes(field: str) -> int:

@@ -5,6 +5,7 @@ they are the same for torch's DataLoader and shmloader's. Where a batch layout (
 is given, every batch must have it: the benchmarks' batches all have the reference
 loader's; a user's may not (a smaller last batch, padded sequences), so they pass None.
 """
+
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
@@ -56,8 +57,9 @@ def consume(batch: Any, spec: Spec | None) -> tuple[int, int]:
     return samples, sum(t.nbytes for _, t in leaves)
 
 
-def interleaved(runners: dict[str, Callable[[], Result]], reps: int, progress: Callable[[str], None],
-                what: str) -> dict[str, list[Result]]:
+def interleaved(
+    runners: dict[str, Callable[[], Result]], reps: int, progress: Callable[[str], None], what: str
+) -> dict[str, list[Result]]:
     """Every runner's results over `reps` repetitions, run in turn, the order reversed
     every other repetition (a, b, c, c, b, a, ...) so that machine noise, and what the
     run before leaves in the caches, hit them alike; `what` names a repetition in the
@@ -65,7 +67,7 @@ def interleaved(runners: dict[str, Callable[[], Result]], reps: int, progress: C
     results = {name: [] for name in runners}
     for rep in range(reps):
         order = list(runners.items())
-        for name, run in (order if rep % 2 == 0 else order[::-1]):
+        for name, run in order if rep % 2 == 0 else order[::-1]:
             progress(f"{name}: {what} {rep + 1}/{reps}")
             results[name].append(run())
     return results
@@ -89,8 +91,13 @@ class Epoch:
         return self.cpu_s - self.consumer_cpu_s
 
 
-def timed_epoch(loader: Any, spec: Spec | None, max_batches: int | None = None, step_s: float = 0.0,
-                on_batch: Callable[[], None] | None = None) -> Epoch:
+def timed_epoch(
+    loader: Any,
+    spec: Spec | None,
+    max_batches: int | None = None,
+    step_s: float = 0.0,
+    on_batch: Callable[[], None] | None = None,
+) -> Epoch:
     """One epoch of `loader` (its first max_batches batches, if given), each batch
     consumed, then `step_s` slept in place of a training step (a GPU step leaves the CPU
     free) and on_batch called (a progress bar): the loop's own work, timed as the
@@ -120,7 +127,9 @@ def timed_epoch(loader: Any, spec: Spec | None, max_batches: int | None = None, 
     # out of a training loop does: the loop pays for it.
     batch = iterator = None
     wall_s = time.perf_counter() - wall_start
-    return Epoch(wall_s, time.process_time() - cpu_start, batches, samples, nbytes, consumer_cpu_s, wait_s)
+    return Epoch(
+        wall_s, time.process_time() - cpu_start, batches, samples, nbytes, consumer_cpu_s, wait_s
+    )
 
 
 def first_batch_s(make_loader: Callable[[], Any], spec: Spec | None) -> float:

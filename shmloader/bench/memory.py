@@ -3,6 +3,7 @@
 psutil comes with the bench extra; without it peak_memory() returns None and the rest of
 the measuring code still runs.
 """
+
 import threading
 from typing import Any, Callable
 
@@ -59,8 +60,14 @@ class PeakTreeMemory:
         self._thread.join()
 
 
-def peak_memory(make_loader: Callable[[], Any], spec: Spec | None, epochs: int, max_batches: int | None = None,
-                step_s: float = 0.0, on_batch: Callable[[], None] | None = None) -> dict[str, Any] | None:
+def peak_memory(
+    make_loader: Callable[[], Any],
+    spec: Spec | None,
+    epochs: int,
+    max_batches: int | None = None,
+    step_s: float = 0.0,
+    on_batch: Callable[[], None] | None = None,
+) -> dict[str, Any] | None:
     """Memory of the process tree over `epochs` epochs of a fresh loader (run as
     timed_epoch runs them, its timing unused): its peak over all of them, sampled by a
     thread, the tree's memory before the loader existed, and its memory between epochs

@@ -1,5 +1,6 @@
 """compare's chart (--plot): a panel per figure, torch's bar beside shmloader's, from the
 record. matplotlib comes with the bench extra and is imported only here."""
+
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,11 @@ def figure_class() -> Any:
 
 
 def write(record: dict[str, Any], path: Path) -> None:
-    panels = [(heading, keys, scale, template) for heading, keys, scale, template in PANELS
-              if all(_value(figs, keys) is not None for figs in record["loaders"].values())]
+    panels = [
+        (heading, keys, scale, template)
+        for heading, keys, scale, template in PANELS
+        if all(_value(figs, keys) is not None for figs in record["loaders"].values())
+    ]
     figure = figure_class()(figsize=(3.2 * len(panels), 4.6), layout="constrained")
     axes = figure.subplots(1, len(panels), squeeze=False)[0]
     names = list(record["loaders"])
@@ -40,7 +44,9 @@ def write(record: dict[str, Any], path: Path) -> None:
         ax.set_title(heading, fontsize=9)
         ax.margins(y=0.15)  # room for the labels above the taller bar
     text = [title(record), conclusion(record), machine_line(record["machine"])]
-    figure.suptitle("\n".join(line for part in text for line in textwrap.wrap(part, WRAP)), fontsize=8)
+    figure.suptitle(
+        "\n".join(line for part in text for line in textwrap.wrap(part, WRAP)), fontsize=8
+    )
     figure.savefig(path, dpi=DPI)
 
 

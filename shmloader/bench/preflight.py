@@ -6,6 +6,7 @@ compare the loaders' first epochs: a dataset that returns the same batch twice u
 same seeds is compared exactly; one that does not draws random numbers from a source no
 loader seeds, and is compared by structure (check.py).
 """
+
 import contextlib
 import itertools
 import random
@@ -25,18 +26,24 @@ def check_kind(dataset: Any, shuffle: bool) -> None:
     """The options that need a map-style dataset, and a map-style dataset's length."""
     if isinstance(dataset, IterableDataset):
         if shuffle:
-            raise InputError("--shuffle needs a map-style dataset (samples fetched by index, which a sampler "
-                             f"shuffles), but the factory returned an IterableDataset ({type(dataset).__name__}), "
-                             "whose samples come in the order its __iter__ yields them: drop --shuffle (shuffle "
-                             "inside __iter__, or with a shuffle buffer)")
+            raise InputError(
+                "--shuffle needs a map-style dataset (samples fetched by index, which a sampler "
+                f"shuffles), but the factory returned an IterableDataset ({type(dataset).__name__}), "
+                "whose samples come in the order its __iter__ yields them: drop --shuffle (shuffle "
+                "inside __iter__, or with a shuffle buffer)"
+            )
         return
     try:
         length = len(dataset)
     except TypeError as error:
-        raise InputError(f"the dataset ({type(dataset).__name__}) has no length ({error}): a map-style dataset "
-                         "needs __len__ for its sampler; define it, or make the dataset an IterableDataset") from None
+        raise InputError(
+            f"the dataset ({type(dataset).__name__}) has no length ({error}): a map-style dataset "
+            "needs __len__ for its sampler; define it, or make the dataset an IterableDataset"
+        ) from None
     if length == 0:
-        raise InputError(f"the dataset ({type(dataset).__name__}) is empty (len 0): there is nothing to load")
+        raise InputError(
+            f"the dataset ({type(dataset).__name__}) is empty (len 0): there is nothing to load"
+        )
 
 
 def first_batch(dataset: Any, batch_size: int, collate_fn: Callable[[list], Any] | None) -> Any:
@@ -44,7 +51,9 @@ def first_batch(dataset: Any, batch_size: int, collate_fn: Callable[[list], Any]
     dataset fails, its samples cannot be batched, or the batch holds no tensor."""
     samples = _first_samples(dataset, batch_size)
     if not samples:
-        raise InputError(f"the dataset ({type(dataset).__name__}) yielded no sample: there is nothing to load")
+        raise InputError(
+            f"the dataset ({type(dataset).__name__}) yielded no sample: there is nothing to load"
+        )
     collate = collate_fn or default_collate
     try:
         batch = collate(samples)
@@ -54,10 +63,14 @@ def first_batch(dataset: Any, batch_size: int, collate_fn: Callable[[list], Any]
             f"the dataset's samples cannot be batched: {how} raised {type(error).__name__} on the first "
             f"{len(samples)}: {error}. Return tensors, numpy arrays or numbers of one shape per field from the "
             "dataset (convert images to tensors; resize, crop or pad them to one size), or pass "
-            "--collate-fn module:callable that batches them", user_trace()) from None
+            "--collate-fn module:callable that batches them",
+            user_trace(),
+        ) from None
     if next(tensor_leaves(batch), None) is None:
-        raise InputError(f"the batches hold no tensor or numpy array ({type(batch).__name__} of "
-                         f"{type(samples[0]).__name__}): shmloader moves tensors, there is nothing to compare")
+        raise InputError(
+            f"the batches hold no tensor or numpy array ({type(batch).__name__} of "
+            f"{type(samples[0]).__name__}): shmloader moves tensors, there is nothing to compare"
+        )
     return batch
 
 
@@ -67,12 +80,16 @@ def _first_samples(dataset: Any, batch_size: int) -> list[Any]:
             return list(itertools.islice(iter(dataset), batch_size))
         return [dataset[i] for i in range(min(batch_size, len(dataset)))]
     except Exception as error:
-        raise InputError(f"fetching the first {batch_size} samples in this process raised {type(error).__name__}: "
-                         f"{error}; fix the dataset (the traceback above shows where)", user_trace()) \
-            from None
+        raise InputError(
+            f"fetching the first {batch_size} samples in this process raised {type(error).__name__}: "
+            f"{error}; fix the dataset (the traceback above shows where)",
+            user_trace(),
+        ) from None
 
 
-def check_mode(dataset: Any, batch_size: int, collate_fn: Callable[[list], Any] | None, seed: int) -> tuple[str, str]:
+def check_mode(
+    dataset: Any, batch_size: int, collate_fn: Callable[[list], Any] | None, seed: int
+) -> tuple[str, str]:
     """(EXACT or STRUCTURE, why): the first batch, fetched twice under the same seeds."""
     with seeded(seed):
         once = first_batch(dataset, batch_size, collate_fn)
@@ -81,8 +98,10 @@ def check_mode(dataset: Any, batch_size: int, collate_fn: Callable[[list], Any] 
     difference = first_difference(once, again, "batch")
     if difference is None:
         return EXACT, "the dataset returns the same batch under the same seeds"
-    return STRUCTURE, (f"the dataset returned another first batch under the same seeds ({difference}): its random "
-                       "numbers come from a source that neither loader seeds")
+    return STRUCTURE, (
+        f"the dataset returned another first batch under the same seeds ({difference}): its random "
+        "numbers come from a source that neither loader seeds"
+    )
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """What a long measurement is doing, on stderr: rewritten in place on a terminal, a plain
 line per step when the output goes to a file or a pipe (a CI log keeps every line)."""
+
 import sys
 import time
 from typing import Callable, TextIO
@@ -37,8 +38,12 @@ class ProgressBar(StatusLine):
     rate so far, and the time left at that rate. Call it with each step's name; call
     tick() for each batch."""
 
-    def __init__(self, total: int | None, stream: TextIO | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        total: int | None,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         super().__init__("", stream)
         self.total = total
         self.done = 0

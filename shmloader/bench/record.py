@@ -1,4 +1,5 @@
 """The JSON record of a measurement: when, the command, the machine, then its figures."""
+
 import datetime
 import json
 from pathlib import Path

@@ -11,6 +11,7 @@ one loader from disturbing another's figures:
 benchmarks/bench.py and `python -m shmloader.compare` both run this sequence; they differ
 in the loaders they build and in the Plan.
 """
+
 import functools
 import gc
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from .memory import peak_memory
 @dataclass(frozen=True)
 class Makers:
     """How to build one loader for each step: each call returns a new loader."""
+
     timed: Callable[[], Any]  # checked, then timed over the epochs
     fresh: Callable[[], Any]  # timed to its first batch, one per repetition
     memory: Callable[[], Any]  # its memory measured over a few epochs
@@ -56,27 +58,47 @@ class Measurement:
     memory: dict[str, dict[str, Any] | None]  # None: not measured
 
 
-def measure(makers: dict[str, Makers], plan: Plan, progress: Callable[[str], None],
-            on_batch: Callable[[], None] | None = None) -> Measurement:
+def measure(
+    makers: dict[str, Makers],
+    plan: Plan,
+    progress: Callable[[str], None],
+    on_batch: Callable[[], None] | None = None,
+) -> Measurement:
     """Every step of the module's docstring, the first loader named being the reference;
     progress() is told each step as it starts, on_batch() each batch a loader yields."""
     check, epochs, stats = _timed(makers, plan, progress, on_batch)
     gc.collect()  # so that no timed loader's workers are alive in the steps that follow
     spec = check.spec if plan.fixed_layout else None
-    first = interleaved({name: functools.partial(_first_batch, make.fresh, spec, on_batch)
-                         for name, make in makers.items()}, plan.first_batch_reps, progress, "first batch")
+    first = interleaved(
+        {
+            name: functools.partial(_first_batch, make.fresh, spec, on_batch)
+            for name, make in makers.items()
+        },
+        plan.first_batch_reps,
+        progress,
+        "first batch",
+    )
     memory = {}
     for name, make in makers.items():
         if plan.memory_epochs:
             progress(f"{name}: {plan.memory_epochs} memory epochs")
         gc.collect()  # so that no earlier loader's workers count in the process tree
-        memory[name] = peak_memory(make.memory, spec, plan.memory_epochs, plan.max_batches, plan.step_s,
-                                   on_batch) if plan.memory_epochs else None
+        memory[name] = (
+            peak_memory(
+                make.memory, spec, plan.memory_epochs, plan.max_batches, plan.step_s, on_batch
+            )
+            if plan.memory_epochs
+            else None
+        )
     return Measurement(check, epochs, stats, first, memory)
 
 
-def _timed(makers: dict[str, Makers], plan: Plan, progress: Callable[[str], None],
-           on_batch: Callable[[], None] | None) -> tuple[Check, dict[str, list[Epoch]], dict[str, Any]]:
+def _timed(
+    makers: dict[str, Makers],
+    plan: Plan,
+    progress: Callable[[str], None],
+    on_batch: Callable[[], None] | None,
+) -> tuple[Check, dict[str, list[Epoch]], dict[str, Any]]:
     """Steps 1 and 2. The loaders and the limit live only in this function, so their
     workers are shut down when it returns."""
     loaders = {name: make.timed() for name, make in makers.items()}
@@ -86,20 +108,29 @@ def _timed(makers: dict[str, Makers], plan: Plan, progress: Callable[[str], None
     if check.mismatch is not None and plan.fail_on_mismatch:
         raise BenchmarkError(check.mismatch)
     spec = check.spec if plan.fixed_layout else None
-    runners = {name: functools.partial(timed_epoch, loader, spec, plan.max_batches, plan.step_s, on_batch)
-               for name, loader in loaders.items()}
+    runners = {
+        name: functools.partial(timed_epoch, loader, spec, plan.max_batches, plan.step_s, on_batch)
+        for name, loader in loaders.items()
+    }
     if not plan.limit:
         epochs = interleaved(runners, plan.reps, progress, "timed epoch")
     else:
         # The limit does the reference loader's work: its dataset, its batches, its workers.
         reference = next(iter(loaders.values()))
-        batches = list(reference.batch_sampler)[:plan.max_batches]
+        batches = list(reference.batch_sampler)[: plan.max_batches]
         progress("start of the transport-free limit and its warm-up epoch")
-        with TransportFreeLimit(reference.dataset, batches, reference.num_workers, check.spec) as limit:
+        with TransportFreeLimit(
+            reference.dataset, batches, reference.num_workers, check.spec
+        ) as limit:
             limit.epoch()
-            epochs = interleaved({**runners, LIMIT: limit.epoch}, plan.reps, progress, "timed epoch")
+            epochs = interleaved(
+                {**runners, LIMIT: limit.epoch}, plan.reps, progress, "timed epoch"
+            )
     # Only shmloader has stats(); they cover the first epoch and every timed one.
-    stats = {name: loader.stats() if hasattr(loader, "stats") else None for name, loader in loaders.items()}
+    stats = {
+        name: loader.stats() if hasattr(loader, "stats") else None
+        for name, loader in loaders.items()
+    }
     return check, epochs, stats
 
 

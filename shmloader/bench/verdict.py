@@ -1,5 +1,6 @@
 """compare's terminal output from its record: the table of figures, the check, and the one
 sentence that tells the user what to conclude."""
+
 from typing import Any, Callable
 
 from .check import EXACT
@@ -33,45 +34,89 @@ def table(record: dict[str, Any]) -> str:
     """The title, the loaders' figures and their ratios, what the figures mean, the check."""
     rows = [["loader", *(heading for heading, *_ in COLUMNS)]]
     for name, figs in record["loaders"].items():
-        rows.append([name, *("" if (value := get(figs)) is None else template.format(value * scale)
-                             for _, get, template, scale, _ in COLUMNS)])
+        rows.append(
+            [
+                name,
+                *(
+                    "" if (value := get(figs)) is None else template.format(value * scale)
+                    for _, get, template, scale, _ in COLUMNS
+                ),
+            ]
+        )
     for name, ratio in record["ratios"].items():
-        rows.append([name, *("" if key is None or ratio.get(key) is None else f"{ratio[key]:.2f}x"
-                             for *_, key in COLUMNS)])
-    return "\n".join([
-        title(record), *aligned(rows),
-        "ratios: higher is better for samples/s and GB/s; lower for CPU, first batch and memory",
-        "main CPU: the main process's CPU per batch less the loop's own; waits for data: of each epoch's time, "
-        "the time the loop was blocked in iter() and next(); peak PSS: main process and workers, shared pages "
-        "counted once",
-        check_line(record["check"])])
+        rows.append(
+            [
+                name,
+                *(
+                    "" if key is None or ratio.get(key) is None else f"{ratio[key]:.2f}x"
+                    for *_, key in COLUMNS
+                ),
+            ]
+        )
+    return "\n".join(
+        [
+            title(record),
+            *aligned(rows),
+            "ratios: higher is better for samples/s and GB/s; lower for CPU, first batch and memory",
+            "main CPU: the main process's CPU per batch less the loop's own; waits for data: of each epoch's time, "
+            "the time the loop was blocked in iter() and next(); peak PSS: main process and workers, shared pages "
+            "counted once",
+            check_line(record["check"]),
+        ]
+    )
 
 
 def title(record: dict[str, Any]) -> str:
     args, settings = record["loader_args"], record["settings"]
-    options = [f"batch {args['batch_size']}", f"{args['num_workers']} workers",
-               *(name.replace("_", " ") for name in ("shuffle", "drop_last", "persistent_workers", "pin_memory")
-                 if args.get(name)),
-               *(f"{name.replace('_', ' ')} {args[name]}" for name in
-                 ("prefetch_factor", "collate_fn", "worker_init_fn", "multiprocessing_context", "timeout")
-                 if args.get(name))]
+    options = [
+        f"batch {args['batch_size']}",
+        f"{args['num_workers']} workers",
+        *(
+            name.replace("_", " ")
+            for name in ("shuffle", "drop_last", "persistent_workers", "pin_memory")
+            if args.get(name)
+        ),
+        *(
+            f"{name.replace('_', ' ')} {args[name]}"
+            for name in (
+                "prefetch_factor",
+                "collate_fn",
+                "worker_init_fn",
+                "multiprocessing_context",
+                "timeout",
+            )
+            if args.get(name)
+        ),
+    ]
     step = f", a {settings['step_ms']:g} ms step per batch" if settings["step_ms"] else ""
-    return (f"torch DataLoader vs shmloader on {record['dataset']['call']}: {', '.join(options)}; "
-            f"{settings['batches_per_epoch']:,} batches per epoch{step}; "
-            + ("one timed epoch each" if settings["epochs"] == 1 else f"medians of {settings['epochs']} epochs"))
+    return (
+        f"torch DataLoader vs shmloader on {record['dataset']['call']}: {', '.join(options)}; "
+        f"{settings['batches_per_epoch']:,} batches per epoch{step}; "
+        + (
+            "one timed epoch each"
+            if settings["epochs"] == 1
+            else f"medians of {settings['epochs']} epochs"
+        )
+    )
 
 
 def check_line(check: dict[str, Any]) -> str:
     compared = " and ".join(check["compared"])
     if check["mismatch"] is not None:
-        return (f"MISMATCH in the first epoch ({check['mode']} comparison): {check['mismatch']}. If the dataset "
-                "draws random numbers that no loader seeds, rerun with --check structure; otherwise please "
-                "report it: shmloader must yield torch's batches")
+        return (
+            f"MISMATCH in the first epoch ({check['mode']} comparison): {check['mismatch']}. If the dataset "
+            "draws random numbers that no loader seeds, rerun with --check structure; otherwise please "
+            "report it: shmloader must yield torch's batches"
+        )
     if check["mode"] == EXACT:
-        return (f"check: {compared} yielded exactly the same {check['batches']:,} batches as "
-                f"{check['reference']} in the first epoch ({check['why']})")
-    return (f"check: {compared}'s first {check['batches']:,} batches match {check['reference']}'s in structure, "
-            f"shapes and dtypes; values not compared: {check['why']}")
+        return (
+            f"check: {compared} yielded exactly the same {check['batches']:,} batches as "
+            f"{check['reference']} in the first epoch ({check['why']})"
+        )
+    return (
+        f"check: {compared}'s first {check['batches']:,} batches match {check['reference']}'s in structure, "
+        f"shapes and dtypes; values not compared: {check['why']}"
+    )
 
 
 def conclusion(record: dict[str, Any]) -> str:
@@ -80,23 +125,34 @@ def conclusion(record: dict[str, Any]) -> str:
     speedup = other["samples_per_s"] / ref["samples_per_s"]
     noise = max(NOISE_FLOOR, ref["throughput_spread"], other["throughput_spread"])
     saved_ms = (ref["cpu_s_per_batch"] - other["cpu_s_per_batch"]) * 1e3
-    cpu = (f"saves {saved_ms:.2f} ms of main-process CPU per batch" if saved_ms >= 0 else
-           f"costs {-saved_ms:.2f} ms more main-process CPU per batch")
-    waits = (f"your loop waits for data {ref['wait_fraction']:.0%} of the time with torch, "
-             f"{other['wait_fraction']:.0%} with shmloader")
+    cpu = (
+        f"saves {saved_ms:.2f} ms of main-process CPU per batch"
+        if saved_ms >= 0
+        else f"costs {-saved_ms:.2f} ms more main-process CPU per batch"
+    )
+    waits = (
+        f"your loop waits for data {ref['wait_fraction']:.0%} of the time with torch, "
+        f"{other['wait_fraction']:.0%} with shmloader"
+    )
     if speedup > 1 + noise and ref["wait_fraction"] - other["wait_fraction"] >= DATA_BOUND:
         sentence = f"{waits}: shmloader delivers {speedup:.2f}x torch's samples/s and {cpu}."
     elif speedup > 1 + noise:  # as data-bound as before, but faster
         sentence = f"shmloader delivers {speedup:.2f}x torch's samples/s and {cpu} ({waits})."
     elif speedup < 1 - noise:
-        sentence = (f"shmloader is slower on your pipeline, {speedup:.2f}x torch's samples/s ({waits}), and {cpu}. "
-                    "Please report it, with the --json file.")
+        sentence = (
+            f"shmloader is slower on your pipeline, {speedup:.2f}x torch's samples/s ({waits}), and {cpu}. "
+            "Please report it, with the --json file."
+        )
     else:
-        bound = ("the dataset's own work (fetching and transforming samples in the workers)"
-                 if max(ref["wait_fraction"], other["wait_fraction"]) >= DATA_BOUND else
-                 f"your training step ({waits})")
-        sentence = (f"your pipeline is bound by {bound}: both loaders are within {abs(speedup - 1):.0%} of each "
-                    f"other's samples/s (the epochs' own spread: {noise:.0%}), and shmloader {cpu}.")
+        bound = (
+            "the dataset's own work (fetching and transforming samples in the workers)"
+            if max(ref["wait_fraction"], other["wait_fraction"]) >= DATA_BOUND
+            else f"your training step ({waits})"
+        )
+        sentence = (
+            f"your pipeline is bound by {bound}: both loaders are within {abs(speedup - 1):.0%} of each "
+            f"other's samples/s (the epochs' own spread: {noise:.0%}), and shmloader {cpu}."
+        )
     if record["check"]["mismatch"] is not None:
         sentence += " But the loaders' batches differ (MISMATCH above): these figures compare different work."
     return sentence
@@ -106,5 +162,9 @@ def aligned(rows: list[list[str]]) -> list[str]:
     """Rows of cells as lines: the first column left-aligned, the others right-aligned,
     each as wide as its widest cell."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]).rstrip()
-            for row in rows]
+    return [
+        "  ".join(
+            [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]
+        ).rstrip()
+        for row in rows
+    ]
