@@ -7,11 +7,12 @@ import numbers
 import os
 import warnings
 import weakref
-from typing import TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch.utils.data
-from torch.utils.data import _DatasetKind
+from torch.utils.data import Dataset, Sampler, _DatasetKind
 from torch.utils.data._utils.collate import default_collate
 
 from ._arena import changed_collation
@@ -148,14 +149,14 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         slot_bytes: bytes of batch per slot (each slot also keeps 16 KiB
             for the worker's state, and is rounded up to a page).  Default
             None: sized from the first batch (its size plus 1/16 and 64 KiB;
-            the first prefetch_factor * num_workers + 1 batches travel by
-            torch's transport meanwhile), and made larger when the next epoch
+            the first prefetch_factor * num_workers + 1 batches travel
+            outside the ring meanwhile, each in a memfd segment of its own), and made larger when the next epoch
             starts if a batch did not fit.  A batch larger than its slot is
-            still delivered whole, by torch's transport (a "spill").
+            still delivered whole, in a memfd segment of its own (a "spill").
         num_slots: slots in the ring.  Default prefetch_factor * num_workers
             + 4: the batches in flight, the one being yielded, the one your
             loop still holds and two more you may keep.  Keep more batches
-            alive than that and the extra ones travel by torch's transport
+            alive than that and the extra ones travel outside the ring
             (one warning); the ring never has more slots.
         fetch: "batch" (default, torch's way: each worker builds whole
             batches) or "sample": every worker fetches single samples and
@@ -193,32 +194,32 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def __init__(
         self,
-        dataset,
-        batch_size=1,
-        shuffle=None,
-        sampler=None,
-        batch_sampler=None,
-        num_workers=0,
-        collate_fn=None,
-        pin_memory=False,
-        drop_last=False,
-        timeout=0,
-        worker_init_fn=None,
-        multiprocessing_context=None,
-        generator=None,
+        dataset: Dataset[_T_co],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler | Iterable | None = None,
+        batch_sampler: Sampler[list] | Iterable[list] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[_T_co]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
         *,
-        prefetch_factor=None,
-        persistent_workers=False,
-        pin_memory_device="",
-        in_order=True,
-        slot_bytes=None,
-        num_slots=None,
-        fetch="batch",
-        assignment=None,
-        seed_per_sample=False,
-        prefetch_next_epoch=False,
-        device=None,
-    ):
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        slot_bytes: int | None = None,
+        num_slots: int | None = None,
+        fetch: str = "batch",
+        assignment: str | None = None,
+        seed_per_sample: bool = False,
+        prefetch_next_epoch: bool = False,
+        device: torch.device | str | int | None = None,
+    ) -> None:
         # Plain attributes, as torch's arguments are: code that rebuilds a
         # loader from its attributes (Lightning, say) keeps them.
         self.slot_bytes = _positive_int("slot_bytes", slot_bytes, upper=2**62)
@@ -228,7 +229,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._counters = Counters()
         self._epochs_started = 0
         self._progress = Progress()
-        self._resume = None  # a loaded state, for the next iterator
+        self._resume: Resume | None = None  # a loaded state, for the next iterator
         super().__init__(
             dataset,
             batch_size,
@@ -252,7 +253,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.assignment = assignment
         self.seed_per_sample = seed_per_sample
         self.prefetch_next_epoch = prefetch_next_epoch
-        self.device = device
+        self.device: Any = device  # a torch.device once checked (see _check_options)
         self._check_options()
         self._warn_if_ring_too_small()
 
