@@ -1,4 +1,5 @@
 """Builds the C ring (csrc/) and its Cython wrapper into shmloader._ring."""
+
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
