@@ -6,7 +6,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -16,75 +15,10 @@ import numpy
 import torch
 
 import shmloader
-from shmloader.bench.measure import Epoch
+from shmloader.bench.figures import LIMIT  # noqa: F401  (charts.py reads it here)
 from shmloader.bench.memory import psutil
-
-REFERENCE = "torch"
-LIMIT = "limit"  # the transport-free limit's name in epochs, records and charts
-# Figures compared as (loader / torch): above 1 is better for throughput, worse for the rest.
-RATIO_FIGURES = ("samples_per_s", "gb_per_s", "cpu_s_per_batch", "first_batch_s")
-
-
-def throughput_figures(epochs: list[Epoch]) -> dict[str, Any]:
-    """Medians over repetitions, with every repetition kept."""
-    rates = [e.samples / e.wall_s for e in epochs]
-    return {
-        "samples_per_s": statistics.median(rates),
-        "gb_per_s": statistics.median(e.bytes / e.wall_s / 1e9 for e in epochs),
-        # (max - min) / median of samples/s: how far apart the repetitions were.
-        "throughput_spread": (max(rates) - min(rates)) / statistics.median(rates),
-        "epochs": [{**dataclasses.asdict(e), "loader_cpu_s": e.loader_cpu_s} for e in epochs],
-    }
-
-
-def figures(
-    epochs: list[Epoch],
-    first_batch_reps_s: list[float],
-    memory: dict[str, Any] | None,
-    stats: Any,
-    limit: dict[str, Any],
-) -> dict[str, Any]:
-    """One loader's figures, with its throughput as a fraction of the limit's."""
-    result = throughput_figures(epochs)
-    result.update(
-        {
-            "fraction_of_limit": result["samples_per_s"] / limit["samples_per_s"],
-            # What the training loop loses to the loader: the main process's CPU less the
-            # consumer's own (the same reads for every loader, though they cost more on
-            # torch's fresh segments), with both kept beside it.
-            "cpu_s_per_batch": statistics.median(e.loader_cpu_s / e.batches for e in epochs),
-            "main_cpu_s_per_batch": statistics.median(e.cpu_s / e.batches for e in epochs),
-            "consumer_cpu_s_per_batch": statistics.median(
-                e.consumer_cpu_s / e.batches for e in epochs
-            ),
-            "first_batch_s": statistics.median(first_batch_reps_s),
-            "memory": memory,
-            "first_batch_reps_s": first_batch_reps_s,
-        }
-    )
-    if stats is not None:
-        result["stats"] = (
-            dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else repr(stats)
-        )
-    return result
-
-
-def ratios(loaders: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Each other loader's figures divided by torch's."""
-    if REFERENCE not in loaders:
-        return {}
-    ref = loaders[REFERENCE]
-    result = {}
-    for name, figs in loaders.items():
-        if name == REFERENCE:
-            continue
-        ratio = {key: figs[key] / ref[key] for key in RATIO_FIGURES}
-        if figs["memory"] and ref["memory"]:
-            ratio["added_pss_bytes"] = (
-                figs["memory"]["added_pss_bytes"] / ref["memory"]["added_pss_bytes"]
-            )
-        result[f"{name}/{REFERENCE}"] = ratio
-    return result
+from shmloader.bench.record import write_json  # noqa: F401  (the scripts write through report)
+from shmloader.bench.verdict import aligned
 
 
 def machine() -> dict[str, Any]:
@@ -179,11 +113,6 @@ def _installed_version(package: str) -> str | None:
         return None
 
 
-def write_json(record: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
-
-
 @dataclasses.dataclass(frozen=True)
 class Column:
     """A column of the table: where its figure is in a loader's (or the limit's)
@@ -276,18 +205,6 @@ def summary(records: list[dict[str, Any]]) -> str:
         for r in records
     ]
     return "\n".join(["summary (samples/s, medians)", *aligned([header, *rows])])
-
-
-def aligned(rows: list[list[str]]) -> list[str]:
-    """Rows of cells as lines: the first column left-aligned, the others right-aligned,
-    each as wide as its widest cell."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return [
-        "  ".join(
-            [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]
-        ).rstrip()
-        for row in rows
-    ]
 
 
 # The figures section of docs/benchmarks.md, written from the JSON in benchmarks/results/
