@@ -2,8 +2,8 @@
 
 from . import _torch_api  # noqa: F401  (first: checks the torch internals used)
 from ._pool import WorkerDied
-from ._rings import SharedMemoryError
-from ._samples import SampleLayoutError
+from ._ring_memory import SharedMemoryError
+from ._sample_layout import SampleLayoutError
 from ._stats import LoaderStats
 from .dataloader import DataLoader
 from .shared_list import SharedList

@@ -13,10 +13,10 @@ import weakref
 from torch.utils.data.dataloader import _DatasetKind
 
 from ._iter_receive import _discard
+from ._next_epoch import PrefetchedEpoch, can_prefetch
 from ._pool import WorkerDied
 from ._protocol import Resume
 from ._resume import Progress, replay_message, sampler_state
-from ._sampler_state import PrefetchedEpoch, can_prefetch
 from ._seeding import positions_in
 
 
@@ -150,7 +150,7 @@ class EpochPlanning:
     def _start_next_epoch(self) -> bool:
         """prefetch_next_epoch: the sampler ran out; go on with the next
         epoch's sampler (set_epoch(e + 1) where it has one, privately: see
-        _sampler_state.py).  False when there is nothing to prefetch."""
+        _next_epoch.py).  False when there is nothing to prefetch."""
         if not self._prefetch_next_epoch or self._next_epoch_at is not None:
             return False
         if self._ring is not None and self._outgrown():

@@ -13,7 +13,7 @@ from torch.utils.data import _utils
 
 from . import _layout
 from ._protocol import NO_RING, RING_FULL, Error
-from ._rings import reserve_in_background
+from ._ring_memory import reserve_in_background
 
 
 class Receiving:

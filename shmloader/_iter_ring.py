@@ -13,7 +13,7 @@ from ._iter_receive import _kind
 from ._protocol import MEASURE, NO_SLOT, Probe, UseLayout
 from ._resume import STATE_BYTES, carries_state
 from ._ring import MAX_SLOTS
-from ._rings import create_ring, retire, slots_that_fit, smaller_ring_message
+from ._ring_memory import create_ring, retire, slots_that_fit, smaller_ring_message
 
 # Slots beyond the prefetch_factor * num_workers batches in flight: the batch
 # being yielded, the one the loop still holds, and two a user may keep (the

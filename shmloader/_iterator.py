@@ -15,12 +15,12 @@ in place.  Tasks carry ids unique over the iterator's life, so results of an
 earlier epoch (persistent workers) are recognised and dropped.
 
 Beyond torch (all opt-in, see DataLoader): fetch="sample" sends each batch to
-every worker, which fill its slot row by row (_worker.py, _samples.py); the
+every worker, which fill its slot row by row (_worker.py, _sample_layout.py); the
 first sample of the loader is fetched alone first (a "probe") to fix the
 layout and size the ring.  prefetch_next_epoch keeps dispatching, when the
 sampler runs out, the next epoch's batches; they are numbered on from this
 epoch's (epoch index >= _next_epoch_at) and adopted by the next _reset if the
-samplers still describe the epoch they were drawn for (_sampler_state.py).
+samplers still describe the epoch they were drawn for (_next_epoch.py).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from ._iter_ring import RingKeeping
 from ._pool import WorkerDied, WorkerPool
 from ._protocol import Rows, Task
 from ._resume import Progress
-from ._rings import retire
+from ._ring_memory import retire
 from ._seeding import countable
 from ._warn import WarnsBetweenBatches, init_as_torch
 

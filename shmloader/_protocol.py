@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from torch._utils import ExceptionWrapper
 
     from ._ring import SlotLease
-    from ._samples import SampleLayout
+    from ._sample_layout import SampleLayout
 
 # A Task's slot when it has no slot of the ring (slot numbers are >= 0):
 NO_SLOT = -1  # every slot is held: a one-off segment (see _one_off.py)

@@ -37,7 +37,7 @@ from array import array
 import numpy as np
 import torch
 
-from ._sampler_state import attribute, loader_samplers, sampler_generators
+from ._next_epoch import attribute, loader_samplers, sampler_generators
 
 # 2: the config names the sampler and batch sampler; 3: batches yielded per worker;
 # 4: the states of the generators samplers hold

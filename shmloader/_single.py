@@ -12,6 +12,7 @@ import torch
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
 from ._cuda import DeviceStage
+from ._next_epoch import attribute
 from ._resume import (
     Progress,
     own_state_copy,
@@ -20,7 +21,6 @@ from ._resume import (
     sampler_state,
     worker_snapshot,
 )
-from ._sampler_state import attribute
 from ._seeding import Samples, countable, positions_in
 from ._warn import WarnsBetweenBatches
 

@@ -8,7 +8,7 @@ else (no slot, a batch that outgrew its slot, errors, end of an iterable) goes
 to the main process through this worker's result pipe: a batch in a one-off
 memfd segment of its own (see _one_off.py), anything else pickled by torch.
 
-fetch="sample" (see _samples.py): every worker gets every batch's task and
+fetch="sample" (see _sample_layout.py): every worker gets every batch's task and
 fills its share of the rows, each sample written straight into its row;
 whoever writes the last row publishes the slot.  Which rows are whose:
 "interleaved", the sample at epoch position j is worker j % num_workers's;
@@ -52,6 +52,7 @@ from torch.utils.data.graph_settings import apply_random_seed
 from . import _layout, _one_off
 from ._arena import Arena, SlotCollate, slot_bytes_needed
 from ._malloc import keep_freed_memory
+from ._next_epoch import attribute
 from ._protocol import (
     EXIT,
     MEASURE,
@@ -79,9 +80,8 @@ from ._resume import (
     worker_snapshot,
 )
 from ._ring import Ring
-from ._rings import SharedMemoryError, shm_full_message, transport_shm_full_message
-from ._sampler_state import attribute
-from ._samples import SampleLayout
+from ._ring_memory import SharedMemoryError, shm_full_message, transport_shm_full_message
+from ._sample_layout import SampleLayout
 from ._seeding import Samples
 from ._worker_exit import exit_now, orphaned, set_exit_handlers
 

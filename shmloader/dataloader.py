@@ -20,7 +20,7 @@ from ._cuda import check_device
 from ._iterator import IterableShmLoaderIter, ShmLoaderIter
 from ._resume import Progress, Resume, check_state, state_dict
 from ._ring import MAX_SLOTS
-from ._rings import RingHandover
+from ._ring_memory import RingHandover
 from ._single import SingleProcessIter
 from ._stats import Counters, LoaderStats
 from ._warn import check_workers_as_torch

@@ -39,7 +39,7 @@ from itertools import accumulate, islice
 from multiprocessing.reduction import DupFd, ForkingPickler
 
 from . import _memory
-from ._rings import SHM_DIR, SharedMemoryError
+from ._ring_memory import SHM_DIR, SharedMemoryError
 
 _MAGIC = b"shmlist1"
 _HEADER = struct.Struct("=8sQQ")  # magic, entry count, data bytes

@@ -33,7 +33,7 @@ from torch.utils.data._utils.collate import collate, default_collate_fn_map
 from .._arena import streams_rows
 from .._malloc import keep_freed_memory
 from .._ring import Ring, copy_stream
-from .._rings import SHM_DIR
+from .._ring_memory import SHM_DIR
 from .errors import BenchmarkError
 from .measure import Epoch, Spec, consume
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from . import _fork, _memory
 from ._ring import CLAIMED, Ring
-from ._samples import SampleLayout
+from ._sample_layout import SampleLayout
 
 SHM_DIR = "/dev/shm"  # only where memfd_create is refused (see create_ring)
 # Optional cap, in bytes, on one ring's shared memory: a ring that would be
