@@ -149,12 +149,20 @@ def pins_to_cuda(iterator) -> bool:
 def pin_thread_device(iterator) -> int:
     """The device index torch's iterator gives its pin-memory thread, looked
     up as the installed torch does (so that it fails as torch's does, where
-    it fails: a pin_memory_device with no such device)."""
-    if "accelerator" in _MP_ITER.__init__.__code__.co_names:
+    it fails: a pin_memory_device with no such device).  Later torch asks
+    the current accelerator whatever the device; earlier torch looks up the
+    device pin_memory_device names, and for any other asks the current
+    accelerator (None) or gives -1 (torch 2.8), or CUDA (torch 2.6)."""
+    names = _MP_ITER.__init__.__code__.co_names
+    if "xpu" not in names:
         return torch.accelerator.current_device_index()
     device = iterator._pin_memory_device
+    if device == "cuda":
+        return torch.cuda.current_device()
     if device == "xpu":
         return torch.xpu.current_device()
     if device == torch._C._get_privateuse1_backend_name():
         return getattr(torch, device).current_device()
+    if "accelerator" in names:
+        return torch.accelerator.current_device_index() if device is None else -1
     return torch.cuda.current_device()
