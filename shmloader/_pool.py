@@ -153,7 +153,8 @@ class WorkerPool:
             except Exception:  # an exception class that takes other arguments
                 error = None
             if error is None:
-                e.add_note(advice)
+                # (add_note is Python 3.11's; before it, PEP 678's __notes__ by hand)
+                e.__notes__ = [*getattr(e, "__notes__", ()), advice]
                 raise  # e itself, as torch raises it
             raise error from e
         except BaseException:
