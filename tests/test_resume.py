@@ -266,10 +266,12 @@ def test_no_warning_where_nothing_is_replayed(matrix, name):
     # batch yet, so no dataset state was saved, and _resume_epoch / SingleProcessIter call
     # warn_replay (replaying 0 batches) and tell the user to add state_dict(), which the
     # dataset has.
+    # (Python 3.12+ warns of any fork in a process with threads, torch's own among them:
+    # not a warning of the loader's.)
     noisy = {
-        point: entry["warnings"]
+        point: theirs
         for point, entry in matrix["resume"][name].items()
-        if entry["warnings"]
+        if (theirs := [w for w in entry["warnings"] if "use of fork() may lead" not in w])
     }
     assert not noisy
 
