@@ -13,6 +13,7 @@ import weakref
 from torch.utils.data.dataloader import _DatasetKind
 
 from ._iter_receive import _discard
+from ._iter_state import IterState
 from ._next_epoch import PrefetchedEpoch, can_prefetch
 from ._pool import WorkerDied
 from ._protocol import Resume
@@ -20,7 +21,7 @@ from ._resume import Progress, replay_message, sampler_state
 from ._seeding import positions_in
 
 
-class EpochPlanning:
+class EpochPlanning(IterState):
     """ShmLoaderIter's epochs: see this module's docstring."""
 
     def _start_epoch(self, loader, first_iter) -> None:
@@ -44,6 +45,7 @@ class EpochPlanning:
                 self._adopt_next_epoch()
                 return
             rewind = loader._epochs_started = self._prefetched.epoch  # numbered again below
+            assert self._next_epoch_at is not None  # (set with _prefetched)
             self._counters.dropped_prefetched_batches += self._send_idx - self._next_epoch_at
         resume, self._resume = self._resume, None
         started_from = None  # a finished epoch's state: where the workers start
@@ -102,11 +104,12 @@ class EpochPlanning:
         with self._failing_workers():
             if not first_iter:
                 self._resume_workers(rewind)
-                if self._ring is not None and self._outgrown():
+                grown = self._outgrown()
+                if grown is not None:
                     # A batch outgrew the slots: the ring is made anew, now
                     # that no task of an earlier epoch can still write it.
                     self._retire_ring()
-                    self._start_ring(self._known_slot_bytes())
+                    self._start_ring(grown)
             for _ in range(self._prefetch_factor * self._num_workers):
                 self._try_put_index()
 
@@ -153,7 +156,7 @@ class EpochPlanning:
         _next_epoch.py).  False when there is nothing to prefetch."""
         if not self._prefetch_next_epoch or self._next_epoch_at is not None:
             return False
-        if self._ring is not None and self._outgrown():
+        if self._outgrown() is not None:
             return False  # the ring is made anew, larger, as the next epoch starts
         loader = self._loader_ref()
         # Nobody can start another epoch; or the loader let this iterator go
@@ -182,7 +185,8 @@ class EpochPlanning:
     def _adopt_next_epoch(self) -> None:
         """Make the prefetched epoch the current one: its tasks are renumbered
         from 0 and everything about them (in flight, arrived) is kept."""
-        shift = self._next_epoch_at
+        shift, prefetched = self._next_epoch_at, self._prefetched
+        assert shift is not None and prefetched is not None  # (see _start_epoch)
         self._epoch_base += shift
         self._send_idx -= shift
         self._rcvd_idx = 0
@@ -211,7 +215,7 @@ class EpochPlanning:
         self._arrivals.extendleft(reversed(kept))
         self._held = set()  # (the broken-off epoch's, dropped above)
         self._num_yielded = 0
-        self._prefetched.adopt()
+        prefetched.adopt()
         self._next_epoch_at = self._prefetched = None
         self._progress.begin_like(self._next_epoch_start)
         self._counters.prefetched_epochs += 1

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import time
 from multiprocessing.connection import wait as wait_fds
+from typing import Any
 
 from torch._utils import ExceptionWrapper
 from torch.utils.data import _utils
 
 from . import _layout
+from ._iter_state import IterState
 from ._protocol import NO_RING, RING_FULL, Error
+from ._ring import SlotLease
 from ._ring_memory import reserve_in_background
 
 
-class Receiving:
+class Receiving(IterState):
     """ShmLoaderIter's results: see this module's docstring."""
 
     def _next_arrival(self):
@@ -43,30 +46,32 @@ class Receiving:
         order: see _resume_epoch.  in_order=True puts results in task order
         anyway: there the pipes are read as the sleep found them, sparing a
         poll() per batch.)"""
+        ring = self._ring
         leases = self._acquire_all()
-        if leases:
+        fired: list[Any] | None
+        if ring is not None and leases:
             # Only a look at the pipes (one poll()), no sleep.
-            fired = self._ring.wait(0, self._pool.wait_fds) or []
+            fired = ring.wait(0, self._pool.wait_fds) or []
         else:
             timeout = self._timeout if self._timeout > 0 else None
             started = time.perf_counter()
-            if self._ring is not None:
-                fired = self._ring.wait(timeout, self._pool.wait_fds)
+            if ring is not None:
+                fired = ring.wait(timeout, self._pool.wait_fds)
             else:
                 fired = _wait_fds(self._pool.wait_fds, timeout) or None
             self._counters.wait_seconds += time.perf_counter() - started
             if fired is None:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
             leases = self._acquire_all()  # what the sleep ended for
-            if leases and not self._in_order:
-                fired = self._ring.wait(0, self._pool.wait_fds) or []
+            if ring is not None and leases and not self._in_order:
+                fired = ring.wait(0, self._pool.wait_fds) or []
         messages = self._pool.receive(fired)
         arrivals = [(lease.seq, lease) for lease in leases]
         for worker_id, msg in messages:
             arrivals.append(self._accept(worker_id, msg))
         if messages:  # slots published before those messages
             arrivals.extend((lease.seq, lease) for lease in self._acquire_all())
-        more = []  # messages read while waiting for row errors
+        more: list[tuple[int | None, Any]] = []  # messages read while waiting for row errors
         # Only a fetch="sample" slot with failed rows needs more than passing on.
         arrivals = [
             self._with_row_errors(a, more) if _kind(a[1]) == "slot" and a[1].failed_rows else a
@@ -200,6 +205,7 @@ class Receiving:
 
     def _warn_spill(self, worker_state) -> None:
         if not self._counters.warned_spill:
+            assert self._ring is not None  # (a batch spills from a slot of it)
             self._counters.warned_spill = True
             state_bytes = len(worker_state) if worker_state is not None else 0
             state = (
@@ -261,10 +267,10 @@ def _wait_fds(fds, timeout):
             return fired
 
 
-def _kind(payload) -> str:
+def _kind(payload: Any) -> str:
     """A result is a worker's message, a record of _protocol.py (Batch,
     Error, Stop, ...), or, for a batch in the ring, the SlotLease of its slot."""
-    return payload.kind if isinstance(payload, tuple) else "slot"
+    return "slot" if isinstance(payload, SlotLease) else payload.kind
 
 
 def _discard(payload) -> None:

@@ -6,10 +6,13 @@ ShmLoaderIter (_iterator.py), whose state it shares."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from . import _cuda, _torch_api
 from ._iter_receive import _kind
+from ._iter_state import IterState
 from ._protocol import MEASURE, NO_SLOT, Probe, UseLayout
 from ._resume import STATE_BYTES, carries_state
 from ._ring import MAX_SLOTS
@@ -26,7 +29,7 @@ SPARE_SLOTS = 4
 RESERVE_REST_AFTER = 2
 
 
-class RingKeeping:
+class RingKeeping(IterState):
     """ShmLoaderIter's ring: see this module's docstring."""
 
     def _init_ring(self, loader) -> None:
@@ -65,12 +68,14 @@ class RingKeeping:
             return max(layout.slot_bytes, learned or 0) if layout is not None else None
         return self._slot_bytes or learned
 
-    def _outgrown(self) -> bool:
-        """Whether a batch did not fit this iterator's slots (with
-        slot_bytes=None): a ring made now would have larger ones (see
-        _reset)."""
-        wanted = self._known_slot_bytes()
-        return wanted is not None and self._ring.slot_bytes < wanted + self._state_bytes
+    def _outgrown(self) -> int | None:
+        """Where a batch did not fit this iterator's ring's slots (with
+        slot_bytes=None), the larger slot size a ring made now would have
+        (see _reset); else None."""
+        ring, wanted = self._ring, self._known_slot_bytes()
+        if ring is None or wanted is None or ring.slot_bytes >= wanted + self._state_bytes:
+            return None
+        return wanted
 
     def _start_ring(self, slot_bytes: int) -> None:
         self._open_ring(slot_bytes)
@@ -132,6 +137,7 @@ class RingKeeping:
         """This persistent iterator's ring is made anew (batches the loop
         keeps keep their slots)."""
         ring, self._ring = self._ring, None
+        assert ring is not None  # (called for an outgrown ring)
         self._counters.use_ring(None, self._num_workers)
         retire(ring)
 
@@ -168,7 +174,8 @@ class RingKeeping:
         if self._ring is None:
             return MEASURE
         if self._registered:
-            self._ring.release_hook.reclaim(self._ring)  # slots whose copies are done
+            # Slots whose copies are done (the hook is register()'s Fences).
+            cast(_cuda.Fences, self._ring.release_hook).reclaim(self._ring)
         slot = self._ring.claim()
         if slot is not None:
             return slot
@@ -192,7 +199,9 @@ class RingKeeping:
         """A batch outgrew this iterator's ring: its slots grow to `learned`
         bytes at the next epoch, where a ring of those fits in memory in this
         one's place."""
+        ring = self._ring
+        assert ring is not None  # (only a batch sent to a ring outgrows it)
         if learned > (self._handover.learned_slot_bytes or 0):
-            fit, _ = slots_that_fit(learned + self._state_bytes, replacing=self._ring)
-            if fit >= self._ring.nslots:
+            fit, _ = slots_that_fit(learned + self._state_bytes, replacing=ring)
+            if fit >= ring.nslots:
                 self._handover.learned_slot_bytes = learned

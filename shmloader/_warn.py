@@ -7,15 +7,21 @@ import inspect
 import os
 import sys
 import warnings
+from types import FrameType
+from typing import TYPE_CHECKING
 
 import torch.utils.data
 from torch.utils.data import dataloader as torch_dataloader
+
+if TYPE_CHECKING:
+    from ._stats import Counters
 
 _INTERNAL_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.utils.data.__file__))
 
 
 def warn(message: str) -> None:
-    frame, level = sys._getframe(1), 2
+    frame: FrameType | None = sys._getframe(1)
+    level = 2
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, stacklevel=level)
@@ -39,7 +45,7 @@ def _torch_line(owner, call: str) -> int:
 def _caller_at(owner, call: str):
     namespace = {"__name__": torch_dataloader.__name__}
     source = "\n" * (_torch_line(owner, call) - 1) + "def call(f, *args): return f(*args)\n"
-    exec(compile(source, inspect.getsourcefile(owner), "exec"), namespace)
+    exec(compile(source, inspect.getfile(owner), "exec"), namespace)
     return namespace["call"]
 
 
@@ -67,7 +73,7 @@ def warn_as_torch_worker_start(message: str) -> None:
     warnings.warn_explicit(
         message,
         UserWarning,
-        inspect.getsourcefile(owner),
+        inspect.getfile(owner),
         _torch_line(owner, "return _MultiProcessingDataLoaderIter(self)"),
         module=torch_dataloader.__name__,
         registry=vars(torch_dataloader).setdefault("__warningregistry__", {}),
@@ -81,6 +87,10 @@ class WarnsBetweenBatches:
     of the epoch's StopIteration, so no batch or task in flight is lost.  One
     whose error is never raised (the iterator is reset or dropped first)
     clears its once-only flag on the loader's counters, so it comes again."""
+
+    # Set by the iterator's __init__.
+    _deferred_warnings: list[tuple[Warning, str | None]]  # (error, its flag)
+    _counters: Counters
 
     def _warn(self, message: str, flag: str | None = None) -> None:
         try:
