@@ -86,7 +86,9 @@ def _span_is_smaller(leaf: torch.Tensor) -> bool:
 
 def _byte_range(leaf: torch.Tensor) -> tuple[int, int]:
     """The bytes of its storage that a tensor spans."""
-    start = leaf.storage_offset() * leaf.dtype.itemsize
+    # storage_offset() is typed int | SymInt (a symbolic one under tracing); a
+    # batch's leaf is a real tensor, whose offset is an int.
+    start: int = leaf.storage_offset() * leaf.dtype.itemsize  # type: ignore[assignment]
     return start, start + _layout.span_elements(leaf.shape, leaf.stride()) * leaf.dtype.itemsize
 
 
@@ -94,7 +96,7 @@ def shared_spans(leaves) -> dict[int, tuple[int, int]]:
     """For each storage that several tensors among `leaves` view (by
     _storage_key), the bytes [first, end) they span together: a slot holds
     one copy of them."""
-    views = {}
+    views: dict[int, list[tuple[int, int]]] = {}
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             sent = _as_torch_sends(leaf)
@@ -125,8 +127,9 @@ class Arena:
         self._capacity = storage.nbytes()
         self._data_capacity = max(0, self._capacity - reserve)
         self.used = 0
-        self._shared = {}  # _storage_key -> [first, end) bytes that its views span together
-        self._copies = {}  # _storage_key -> slot offset of the copy of those bytes
+        # _storage_key -> [first, end) bytes that its views span together
+        self._shared: dict[int, tuple[int, int]] = {}
+        self._copies: dict[int, int] = {}  # _storage_key -> slot offset of the copy of those bytes
 
     def _alloc(self, nbytes: int, capacity: int | None = None) -> int:
         capacity = self._data_capacity if capacity is None else capacity
@@ -346,7 +349,7 @@ class SlotCollate:
     default_collate_fn_map collates tensors otherwise it is default_collate
     (its output is then copied into the slot)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.arena: Arena | None = None
 
     def __call__(self, batch):

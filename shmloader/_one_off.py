@@ -37,6 +37,7 @@ def write(task_id: int, data, samples: int, state, nbytes: int, reserve: int) ->
     segment = new_segment(1, nbytes + reserve)
     segment.reserve(0)  # all of it now: no SIGBUS for want of memory while writing
     slot = segment.claim()
+    assert slot is not None  # a new segment's one slot is free
     memory = segment.memory(slot)
     arena = Arena(
         memory, torch.frombuffer(memory, dtype=torch.uint8).untyped_storage(), reserve=reserve

@@ -25,6 +25,7 @@ import io
 import math
 import pickle
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -54,7 +55,9 @@ class _Field:
     def __eq__(self, other):
         return type(other) is _Field and other.number == self.number
 
-    __hash__ = None
+    # Unhashable, as it defines __eq__ (typed as typeshed types list's: mypy
+    # takes None for an incompatible override of object.__hash__).
+    __hash__: ClassVar[None] = None  # type: ignore[assignment]
 
 
 def _describe(dtype, shape) -> str:
@@ -284,7 +287,7 @@ class SampleLayout:
             end = offset + capacity * row_bytes
         self.slot_bytes = max(end, 1)
         self.sample_bytes = sum(self.row_bytes)
-        self._meta = {}
+        self._meta: dict[int, bytes] = {}  # nrows -> the metadata (see meta())
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k not in ("_meta", "_skeleton")}
@@ -310,7 +313,9 @@ class SampleLayout:
             if t.is_contiguous() and not t.is_conj() and not t.is_neg():
                 copy_stream(memory, offset, t.data_ptr(), nbytes)
             else:
-                dst = torch.empty((0,), dtype=t.dtype).set_(
+                # set_(storage, offset, size) without a stride (contiguous) is
+                # torch's, but its stubs have the overload with a stride only.
+                dst = torch.empty((0,), dtype=t.dtype).set_(  # type: ignore[call-overload]
                     storage, offset // t.dtype.itemsize, t.shape
                 )
                 dst.copy_(t)
