@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+from typing import Any
 
 import torch
 
@@ -105,8 +106,9 @@ def to_device(data, device: torch.device):
         return data.to(device, non_blocking=True)
     if isinstance(data, collections.abc.Mapping):
         moved = {k: to_device(v, device) for k, v in data.items()}
+        mapping_type: Any = type(data)  # a Mapping subclass: its constructor's arguments vary
         try:
-            return type(data)(moved)
+            return mapping_type(moved)
         except TypeError:
             return moved
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
@@ -114,11 +116,12 @@ def to_device(data, device: torch.device):
     if isinstance(data, tuple):
         return tuple(to_device(v, device) for v in data)
     if isinstance(data, collections.abc.Sequence) and not isinstance(data, (str, bytes)):
-        moved = [to_device(v, device) for v in data]
+        items = [to_device(v, device) for v in data]
+        sequence_type: Any = type(data)  # a Sequence subclass: its constructor's arguments vary
         try:
-            return type(data)(moved)
+            return sequence_type(items)
         except TypeError:
-            return moved
+            return items
     return data
 
 

@@ -96,7 +96,10 @@ def worker_snapshot(stateful) -> bytes:
     """This worker's RNG states (and `stateful`'s state_dict(), if given),
     pickled: cheap to take after every batch."""
     version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # numpy's stubs type get_state() as get_state(legacy=False), a dict; the default is
+    # legacy=True, under which the global RandomState (MT19937) gives this tuple.
+    keys: np.ndarray
+    name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[assignment]
     rng = (
         version,
         array("I", internal).tobytes(),

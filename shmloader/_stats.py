@@ -135,6 +135,20 @@ class Counters:
         "_retired",
         "_counted",
     )
+    # _COUNTED's and occupancy_sum, which __init__ sets by name.
+    batches: int
+    samples: int
+    wait_seconds: float
+    wall_seconds: float
+    slot_batches: int
+    unsized_batches: int
+    ring_full_batches: int
+    spilled_batches: int
+    fallback_leaves: int
+    occupancy_max: int
+    prefetched_epochs: int
+    dropped_prefetched_batches: int
+    occupancy_sum: int
 
     def __init__(self):
         for name in _COUNTED + ("occupancy_sum",):

@@ -37,6 +37,7 @@ from array import array
 from collections.abc import Sequence, Sized
 from itertools import accumulate, islice
 from multiprocessing.reduction import DupFd, ForkingPickler
+from typing import ClassVar
 
 from . import _memory
 from ._ring_memory import SHM_DIR, SharedMemoryError
@@ -181,7 +182,9 @@ class SharedList(Sequence):
             for first in range(0, self._len, _CHUNK)
         )
 
-    __hash__ = None  # equal to lists, which have none
+    # None: equal to lists, which have none (typed as typeshed types list's:
+    # mypy takes None for an incompatible override of object.__hash__).
+    __hash__: ClassVar[None] = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         shown = ", ".join(map(repr, self[:3]))
