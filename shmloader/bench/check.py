@@ -9,7 +9,7 @@ and dtypes, and non-tensor leaves of the same types.
 """
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from .measure import Spec, batch_spec
 EXACT = "exact"
 STRUCTURE = "structure"
 _END = object()  # next()'s default: the iterator is exhausted
+_Array = TypeVar("_Array", torch.Tensor, np.ndarray)
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def first_difference(ref: Any, got: Any, path: str, values: bool = True) -> str 
     return next((d for d in (first_difference(*p, values) for p in pairs) if d is not None), None)
 
 
-def _equal(ref: torch.Tensor | np.ndarray, got: torch.Tensor | np.ndarray) -> bool:
+def _equal(ref: _Array, got: _Array) -> bool:
     """Equal values, NaN equal to NaN (a NaN in a sample is data, not a difference)."""
     if isinstance(ref, np.ndarray):
         return np.array_equal(ref, got, equal_nan=ref.dtype.kind in "fc")
@@ -118,10 +119,10 @@ def _difference(names: list[str], batches: list[Any], step: int, mode: str) -> s
     return None
 
 
-def checked_warm_up(loaders: dict[str, Any]) -> tuple[Spec, int]:
+def checked_warm_up(loaders: dict[str, Any]) -> tuple[Spec | None, int]:
     """The first epoch of every loader, side by side, which must yield exactly the
     batches that the first loader yields (else BenchmarkError). Returns the batch layout
-    and the number of batches compared."""
+    (None where the loaders yielded no batch) and the number of batches compared."""
     check = first_epoch_check(loaders)
     if check.mismatch is not None:
         raise BenchmarkError(check.mismatch)

@@ -81,7 +81,10 @@ def _import_file(path: str, option: str) -> Any:
         )
     sys.path.insert(0, str(file.parent))
     spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
+    # spec is None where no loader takes the file's suffix (a path without .py): then
+    # module_from_spec raises AttributeError, not an InputError (unchanged so far).
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    assert spec is not None and spec.loader is not None  # module_from_spec took it
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)

@@ -4,11 +4,13 @@ Every figure that benchmarks/ and `python -m shmloader.compare` report is define
 
 import dataclasses
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .measure import Epoch
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from .session import Measurement
 
 REFERENCE = "torch"
@@ -63,7 +65,10 @@ def figures(
     )
     if stats is not None:
         result["stats"] = (
-            dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else repr(stats)
+            # (is_dataclass is true of a dataclass's class too; stats() returns an instance)
+            dataclasses.asdict(cast("DataclassInstance", stats))
+            if dataclasses.is_dataclass(stats)
+            else repr(stats)
         )
     return result
 
@@ -88,7 +93,7 @@ def measurement_figures(
     return loaders, limit
 
 
-def ratios(loaders: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+def ratios(loaders: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Each other loader's figures divided by torch's."""
     if REFERENCE not in loaders:
         return {}

@@ -8,7 +8,7 @@ loader's; a user's may not (a smaller last batch, padded sequences), so they pas
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import numpy as np
 import torch
@@ -58,13 +58,16 @@ def consume(batch: Any, spec: Spec | None) -> tuple[int, int]:
 
 
 def interleaved(
-    runners: dict[str, Callable[[], Result]], reps: int, progress: Callable[[str], None], what: str
+    runners: Mapping[str, Callable[[], Result]],
+    reps: int,
+    progress: Callable[[str], None],
+    what: str,
 ) -> dict[str, list[Result]]:
     """Every runner's results over `reps` repetitions, run in turn, the order reversed
     every other repetition (a, b, c, c, b, a, ...) so that machine noise, and what the
     run before leaves in the caches, hit them alike; `what` names a repetition in the
     progress line."""
-    results = {name: [] for name in runners}
+    results: dict[str, list[Result]] = {name: [] for name in runners}
     for rep in range(reps):
         order = list(runners.items())
         for name, run in order if rep % 2 == 0 else order[::-1]:

@@ -51,6 +51,7 @@ def write(record: dict[str, Any], path: Path) -> None:
 
 
 def _value(figs: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    value: Any = figs
     for key in keys:
-        figs = figs.get(key) if figs else None
-    return figs
+        value = value.get(key) if value else None
+    return value
