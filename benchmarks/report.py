@@ -1,116 +1,31 @@
 """Turning measurements into figures, the terminal table and the JSON record."""
 
 import dataclasses
-import datetime
-import importlib.metadata
 import json
-import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import numpy
-import torch
-
-import shmloader
 from shmloader.bench.figures import LIMIT  # noqa: F401  (charts.py reads it here)
-from shmloader.bench.memory import psutil
-from shmloader.bench.record import write_json  # noqa: F401  (the scripts write through report)
+from shmloader.bench.machine import machine_line
+from shmloader.bench.record import (
+    head,
+    write_json,  # noqa: F401  (the scripts write through report)
+)
 from shmloader.bench.verdict import aligned
 
 
-def machine() -> dict[str, Any]:
-    return {
-        "cores": len(os.sched_getaffinity(0)),
-        "cpu_count": os.cpu_count(),
-        "cpu_model": _cpu_model(),
-        "memory_bytes": _meminfo_bytes("MemTotal"),
-        "dev_shm_bytes": _dev_shm_bytes(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": numpy.__version__,
-        "psutil": psutil.__version__ if psutil else None,
-        "shmloader": _installed_version("shmloader"),
-        "shmloader_path": os.path.dirname(shmloader.__file__),
-        "shmloader_commit": _commit(os.path.dirname(shmloader.__file__)),
-    }
-
-
-def _commit(path: str) -> str | None:
-    """The git commit of the checkout that holds `path`, "+" if it has changes."""
-    try:
-        head = subprocess.run(
-            ["git", "-C", path, "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        dirty = subprocess.run(
-            ["git", "-C", path, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except OSError:  # no git
-        return None
-    if head.returncode:
-        return None
-    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
-
-
 def new_document(**fields: Any) -> dict[str, Any]:
-    """The head of a benchmark's JSON record (when, the command, the machine, then
-    `fields`); prints the machine line the terminal table starts with."""
-    m = machine()
-    print(machine_line(m) + "\n")
-    return {
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": sys.argv,
-        "machine": m,
-        **fields,
-    }
+    """The head of a benchmark's JSON record (when, the command, the machine: see
+    shmloader.bench.record), then `fields`; prints the machine line the terminal table
+    starts with."""
+    document = {**head(sys.argv), **fields}
+    print(machine_line(document["machine"]) + "\n")
+    return document
 
 
 def workers_label(workers: int) -> str:
     return f"{workers} worker{'' if workers == 1 else 's'}"
-
-
-def machine_line(m: dict[str, Any]) -> str:
-    return (
-        f"{m['cores']} cores ({m['cpu_model']}), {m['memory_bytes'] / 2**30:.1f} GiB, Python {m['python']}, "
-        f"torch {m['torch']}, numpy {m['numpy']}, {m['platform']}, shmloader at {m['shmloader_commit']}"
-    )
-
-
-def _cpu_model() -> str | None:
-    with open("/proc/cpuinfo") as f:
-        return next(
-            (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None
-        )
-
-
-def _meminfo_bytes(field: str) -> int:
-    with open("/proc/meminfo") as f:
-        line = next(line for line in f if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024  # /proc/meminfo counts in KiB
-
-
-def _dev_shm_bytes() -> int | None:
-    try:
-        vfs = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    return vfs.f_blocks * vfs.f_frsize
-
-
-def _installed_version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,15 +131,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
 BEGIN = "<!-- figures: begin. Written by `python benchmarks/report.py` from benchmarks/results/*.json: do not edit. -->"
 END = "<!-- figures: end -->"
-
-
-def docs_machine_line(m: dict[str, Any]) -> str:
-    """The machine in one line, as the docs give it: no commit (that is history, kept in
-    CHANGELOG.md), the version of shmloader instead."""
-    return (
-        f"{m['cores']} cores ({m['cpu_model']}), {m['memory_bytes'] / 2**30:.1f} GiB, Python {m['python']}, "
-        f"torch {m['torch']}, numpy {m['numpy']}, {m['platform']}, shmloader {m.get('shmloader')}"
-    )
 
 
 def _digest(path: Path) -> str:
@@ -430,7 +336,7 @@ def figures_section(results: Path = RESULTS) -> str:
             f"### `benchmarks/results/{path.name}`",
             "",
             f"<!-- source: {path.name} sha256:{_digest(path)} -->",
-            f"`{command}` on {docs_machine_line(document['machine'])}.",
+            f"`{command}` on {machine_line(document['machine'], commit=False)}.",
             "",
             *_RENDERERS[kind](document),
             "",

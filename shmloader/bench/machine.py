@@ -35,11 +35,14 @@ def machine() -> dict[str, Any]:
     }
 
 
-def machine_line(m: dict[str, Any]) -> str:
-    commit = f" at {m['shmloader_commit']}" if m["shmloader_commit"] else ""
+def machine_line(m: dict[str, Any], commit: bool = True) -> str:
+    """The machine of a record (machine()) in one line. `commit`: with the commit of the
+    checkout shmloader ran from, if any; the docs leave it out (that is history, kept in
+    CHANGELOG.md)."""
+    at = f" at {m['shmloader_commit']}" if commit and m["shmloader_commit"] else ""
     return (
         f"{m['cores']} cores ({m['cpu_model']}), {m['memory_bytes'] / 2**30:.1f} GiB, Python {m['python']}, "
-        f"torch {m['torch']}, numpy {m['numpy']}, {m['platform']}, shmloader {m['shmloader']}{commit}"
+        f"torch {m['torch']}, numpy {m['numpy']}, {m['platform']}, shmloader {m.get('shmloader')}{at}"
     )
 
 
