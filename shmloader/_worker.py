@@ -79,7 +79,7 @@ from ._resume import (
     restore_worker_rng,
     worker_snapshot,
 )
-from ._ring import Ring
+from ._ring import Ring, SlotMemory
 from ._ring_memory import SharedMemoryError, shm_full_message, transport_shm_full_message
 from ._sample_layout import SampleLayout
 from ._seeding import Samples
@@ -206,7 +206,7 @@ def _seed(cfg: WorkerConfig) -> int:
 class _Slots:
     """This worker's view of the ring: one torch storage per slot, made once."""
 
-    def __init__(self, fds):
+    def __init__(self, fds: tuple[int, int]) -> None:
         try:
             self.ring = Ring.attach(*fds)  # keeps its own copies of the fds
         except OSError as e:
@@ -217,9 +217,9 @@ class _Slots:
             raise
         for fd in fds:
             os.close(fd)
-        self._storages = {}
+        self._storages: dict[int, tuple[SlotMemory, torch.UntypedStorage]] = {}
 
-    def slot(self, slot: int):
+    def slot(self, slot: int) -> tuple[SlotMemory, torch.UntypedStorage]:
         """(SlotMemory, uint8 storage) of `slot`; its first use reserves its
         pages (OSError when memory has run out since the ring was made)."""
         if slot not in self._storages:
@@ -326,6 +326,7 @@ def _run(cfg: WorkerConfig) -> None:
     dataset = cfg.dataset
     shared_rng = torch.Generator()
     if isinstance(dataset, IterDataPipe):
+        assert cfg.shared_seed is not None  # the loader draws one for every IterDataPipe
         shared_rng.manual_seed(cfg.shared_seed)
         dataset = apply_random_seed(dataset, shared_rng)
     torch_worker._worker_info = torch_worker.WorkerInfo(
@@ -502,7 +503,9 @@ class _Work:
 
     def rewind(self, epoch) -> None:
         if epoch is not None and epoch == self.epoch:
-            restore_worker_rng(plain_worker_state(self.epoch_rng))
+            rng = plain_worker_state(self.epoch_rng)
+            assert rng is not None  # taken with self.epoch by enter_epoch
+            restore_worker_rng(rng)
         self.epoch = self.epoch_rng = None
 
     def give_back(self, slot):
