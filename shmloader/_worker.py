@@ -65,6 +65,7 @@ from ._protocol import (
     Batch,
     Described,
     Error,
+    Resume,
     Resumed,
     RingFds,
     RowError,
@@ -317,59 +318,14 @@ def _watch_manager(manager_pid: int) -> None:
 
 
 def _run(cfg: WorkerConfig) -> None:
-    set_exit_handlers()  # first: the watchdog may leave at once, knowing whose temp dir is whose
-    _watch_manager(cfg.manager_pid)
-    torch.multiprocessing._set_thread_name("pt_data_worker")
-    torch.set_num_threads(1)
-    keep_freed_memory()
-    seed = _seed(cfg)
-    dataset = cfg.dataset
-    shared_rng = torch.Generator()
-    if isinstance(dataset, IterDataPipe):
-        assert cfg.shared_seed is not None  # the loader draws one for every IterDataPipe
-        shared_rng.manual_seed(cfg.shared_seed)
-        dataset = apply_random_seed(dataset, shared_rng)
+    seed = _set_up_process(cfg)
+    dataset = _reseeded(cfg.dataset, cfg.shared_seed)
     torch_worker._worker_info = torch_worker.WorkerInfo(
         id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=dataset
     )
-    slot_collate = SlotCollate() if cfg.slot_collate else None
-    collate_fn = _Counted(slot_collate or cfg.collate_fn)
-    where = f"in DataLoader worker process {cfg.worker_id}"
-
-    def make_fetcher():
-        return _DatasetKind.create_fetcher(
-            cfg.dataset_kind, dataset, cfg.auto_collation, collate_fn, cfg.drop_last
-        )
-
-    # Without a fetcher (worker_init_fn or an IterableDataset's __iter__
-    # raised), every task answers with that error until a resume makes one;
-    # the worker itself lives on.
-    # An IterableDataset that can say where it is (state_dict) is resumed
-    # from there; a map-style dataset is resumed by index.
-    stateful = (
-        dataset
-        if cfg.dataset_kind == _DatasetKind.Iterable and callable(attribute(dataset, "state_dict"))
-        else None
-    )
-    fetcher = fetcher_error = None
-    try:
-        if cfg.init_fn is not None:
-            cfg.init_fn(cfg.worker_id)
-        resume = cfg.resume_state or {}
-        if stateful is not None and resume.get("dataset") is not None:
-            dataset.load_state_dict(resume["dataset"])
-        fetcher = make_fetcher()
-    except Exception:
-        fetcher_error = ExceptionWrapper(where=where)
-    if cfg.resume_state is not None and "random" in cfg.resume_state:
-        restore_worker_rng(cfg.resume_state)
-
-    samples = Samples(
-        dataset, cfg.auto_collation, collate_fn, cfg.base_seed if cfg.seed_per_sample else None
-    )
-    work = _Work(cfg, where, samples, slot_collate, collate_fn, stateful)
+    work = _Work(cfg, dataset)
+    work.start()
     inbox = _Inbox(cfg.tasks, cfg.manager_pid)
-    iteration_end = False
     while True:
         msg = inbox.next()
         if msg is EXIT:
@@ -380,45 +336,34 @@ def _run(cfg: WorkerConfig) -> None:
         if kind == "ring":
             work.slots = _Slots(inbox.ring_fds)
             inbox.ring_fds = None
-            continue
-        if kind == "layout":
+        elif kind == "layout":
             work.layout = msg.layout
-            continue
-        if kind == "resume":
-            iteration_end = False
-            work.rewind(msg.rewind)
-            if isinstance(dataset, IterDataPipe):
-                shared_rng.manual_seed(msg.shared_seed)
-                dataset = apply_random_seed(dataset, shared_rng)
-            try:
-                fetcher, fetcher_error = make_fetcher(), None
-            except Exception:
-                fetcher, fetcher_error = None, ExceptionWrapper(where=where)
-            # With the RNG states the old epoch's last tasks left (a new
-            # epoch's dataset state starts afresh): where this epoch begins.
-            cfg.results.send(
-                Resumed.wire(cfg.worker_id, worker_snapshot(None) if work.snapshots else None)
-            )
-            continue
-        stale = iteration_end or inbox.superseded()
-        if not stale:
-            work.enter_epoch(msg.epoch)
-        if kind == "rows":
-            reply = work.rows(msg, stale=stale, error=fetcher_error)
-        elif kind == "probe":
-            reply = None if stale else work.probe(msg, error=fetcher_error)
-        elif stale:
-            reply = work.give_back(msg.slot)
-        elif fetcher is None:
-            work.give_back(msg.slot)
-            reply = Error.wire(msg.task_id, fetcher_error, None)
+        elif kind == "resume":
+            cfg.results.send(work.resume(msg))
         else:
-            reply, iteration_end = work.batch(fetcher, msg)
-        if isinstance(reply, bytes):
-            cfg.results.send_bytes(reply)
-        elif reply is not None:
-            send(cfg.results, reply)
-        del reply
+            work.answer(msg, stale=work.iteration_end or inbox.superseded())
+
+
+def _set_up_process(cfg: WorkerConfig) -> int:
+    """This process set up as torch's workers set theirs up; returns the
+    worker's seed."""
+    set_exit_handlers()  # first: the watchdog may leave at once, knowing whose temp dir is whose
+    _watch_manager(cfg.manager_pid)
+    torch.multiprocessing._set_thread_name("pt_data_worker")
+    torch.set_num_threads(1)
+    keep_freed_memory()
+    return _seed(cfg)
+
+
+def _reseeded(dataset, shared_seed: int | None):
+    """An IterDataPipe's random pipes seeded from the loader's shared seed (a
+    new one each epoch of persistent workers), as torch's workers do."""
+    if not isinstance(dataset, IterDataPipe):
+        return dataset
+    assert shared_seed is not None  # the loader draws one for every IterDataPipe
+    shared_rng = torch.Generator()
+    shared_rng.manual_seed(shared_seed)
+    return apply_random_seed(dataset, shared_rng)
 
 
 def send(results, reply: tuple) -> None:
@@ -481,27 +426,107 @@ class _Work:
     """What one worker does with a task: a whole batch, its rows of a batch
     (fetch="sample"), or a layout probe."""
 
-    def __init__(self, cfg, where, samples, slot_collate, collate_fn, stateful):
+    def __init__(self, cfg: WorkerConfig, dataset) -> None:
         self.cfg = cfg
-        self.where = where
-        self.samples = samples
-        self.slot_collate = slot_collate
-        self.collate_fn = collate_fn
+        self.dataset = dataset
+        self.where = f"in DataLoader worker process {cfg.worker_id}"
+        self.slot_collate = SlotCollate() if cfg.slot_collate else None
+        self.collate_fn = _Counted(self.slot_collate or cfg.collate_fn)
+        self.samples = Samples(
+            dataset,
+            cfg.auto_collation,
+            self.collate_fn,
+            cfg.base_seed if cfg.seed_per_sample else None,
+        )
+        # An IterableDataset that can say where it is (state_dict) is resumed
+        # from there; a map-style dataset is resumed by index.
+        self.stateful = (
+            dataset
+            if cfg.dataset_kind == _DatasetKind.Iterable
+            and callable(attribute(dataset, "state_dict"))
+            else None
+        )
+        # Without a fetcher (worker_init_fn or an IterableDataset's __iter__
+        # raised), every task answers with that error until a resume makes one;
+        # the worker itself lives on.
+        self.fetcher: Any = None  # torch's fetcher (Any: its classes are private)
+        self.fetcher_error: ExceptionWrapper | None = None
+        self.iteration_end = False  # an iterable ran out: the epoch's later tasks are stale
         self.busy = _Busy(cfg.worker_id)
-        self.slots = None  # _Slots once the ring has come
-        self.layout = None  # fetch="sample": the SampleLayout once known
-        self.probed = None  # (task_id, {row: sample}) fetched before the ring existed
-        self.epoch = self.epoch_rng = None  # see enter_epoch
-        self.stateful = stateful  # an IterableDataset with state_dict(), or None
+        self.slots: _Slots | None = None  # once the ring has come
+        self.layout: SampleLayout | None = None  # fetch="sample", once known
+        # (task_id, {row: sample}) fetched before the ring existed
+        self.probed: tuple[int, dict] | None = None
+        self.epoch: int | None = None  # see enter_epoch
+        self.epoch_rng: bytes | None = None
         self.snapshots = carries_state(cfg.dataset_kind, cfg.seed_per_sample)
 
-    def enter_epoch(self, epoch) -> None:
+    def _make_fetcher(self) -> Any:
+        cfg = self.cfg
+        return _DatasetKind.create_fetcher(
+            cfg.dataset_kind, self.dataset, cfg.auto_collation, self.collate_fn, cfg.drop_last
+        )
+
+    def start(self) -> None:
+        """Run worker_init_fn, load the dataset's state to resume from and
+        make the first fetcher (an error in any: see fetcher_error), then set
+        the RNG states to resume from."""
+        cfg = self.cfg
+        try:
+            if cfg.init_fn is not None:
+                cfg.init_fn(cfg.worker_id)
+            resume = cfg.resume_state or {}
+            if self.stateful is not None and resume.get("dataset") is not None:
+                self.stateful.load_state_dict(resume["dataset"])
+            self.fetcher = self._make_fetcher()
+        except Exception:
+            self.fetcher_error = ExceptionWrapper(where=self.where)
+        if cfg.resume_state is not None and "random" in cfg.resume_state:
+            restore_worker_rng(cfg.resume_state)
+
+    def resume(self, msg: Resume) -> tuple:
+        """A new epoch of persistent workers: a new fetcher, on the RNG states
+        the old epoch's last tasks left.  Returns the Resumed reply."""
+        self.iteration_end = False
+        self.rewind(msg.rewind)
+        self.dataset = _reseeded(self.dataset, msg.shared_seed)
+        try:
+            self.fetcher, self.fetcher_error = self._make_fetcher(), None
+        except Exception:
+            self.fetcher, self.fetcher_error = None, ExceptionWrapper(where=self.where)
+        # With the RNG states the old epoch's last tasks left (a new
+        # epoch's dataset state starts afresh): where this epoch begins.
+        return Resumed.wire(self.cfg.worker_id, worker_snapshot(None) if self.snapshots else None)
+
+    def answer(self, task, stale: bool) -> None:
+        """Do a task (Task, Rows or Probe), or only let go of what a stale one
+        holds, and send the reply, if there is one."""
+        if not stale:
+            self.enter_epoch(task.epoch)
+        kind = task.kind
+        if kind == "rows":
+            reply = self.rows(task, stale=stale, error=self.fetcher_error)
+        elif kind == "probe":
+            reply = None if stale else self.probe(task, error=self.fetcher_error)
+        elif stale:
+            reply = self.give_back(task.slot)
+        elif self.fetcher is None:
+            self.give_back(task.slot)
+            reply = Error.wire(task.task_id, self.fetcher_error, None)
+        else:
+            reply = self.batch(self.fetcher, task)
+        if isinstance(reply, bytes):
+            self.cfg.results.send_bytes(reply)
+        elif reply is not None:
+            send(self.cfg.results, reply)
+
+    def enter_epoch(self, epoch: int) -> None:
         """Note the RNG state before this worker's first task of an epoch, so
         that dropping that epoch's prefetched tasks can undo their draws."""
         if epoch != self.epoch:
             self.epoch, self.epoch_rng = epoch, worker_snapshot(None)
 
-    def rewind(self, epoch) -> None:
+    def rewind(self, epoch: int | None) -> None:
         if epoch is not None and epoch == self.epoch:
             rng = plain_worker_state(self.epoch_rng)
             assert rng is not None  # taken with self.epoch by enter_epoch
@@ -515,11 +540,9 @@ class _Work:
     # ---- a whole batch ------------------------------------------------------
 
     def batch(self, fetcher, task):
-        """Fetch and deliver one batch (a Task).  Returns (pipe reply or None,
-        iteration_end)."""
-        cfg = self.cfg
-        task_id, index, slot = task.task_id, task.index, task.slot
-        epoch, position = task.epoch, task.position
+        """Fetch and deliver one batch (a Task).  Returns the pipe reply, or
+        None."""
+        task_id, slot = task.task_id, task.slot
         self.busy.start()
         arena = None
         if slot >= 0:
@@ -527,43 +550,61 @@ class _Work:
                 arena = self.slots.arena(slot, STATE_BYTES if self.snapshots else 0)
             except OSError as e:  # memory ran out since the ring was made
                 self.give_back(slot)
-                return Error.wire(task_id, self._shm_full(e), None), False
+                return Error.wire(task_id, self._shm_full(e), None)
         if self.slot_collate is not None:
             self.slot_collate.arena = arena
         try:
-            if cfg.seed_per_sample:
-                data = self.samples.batch(index, epoch, position)
+            if self.cfg.seed_per_sample:
+                data = self.samples.batch(task.index, task.epoch, task.position)
             else:
-                data = fetcher.fetch(index)
+                data = fetcher.fetch(task.index)
         except Exception as e:
             self.give_back(slot)
-            if isinstance(e, StopIteration) and cfg.dataset_kind == _DatasetKind.Iterable:
+            if isinstance(e, StopIteration) and self.cfg.dataset_kind == _DatasetKind.Iterable:
+                # (It was False: stale tasks never get here.)  Every later
+                # task of this epoch is stale.
+                self.iteration_end = True
                 # With the worker's RNG states: the draws of a partial batch
                 # that drop_last discarded are part of where the next epoch
                 # starts (the dataset's own state is not: it starts afresh).
-                return Stop.wire(task_id, worker_snapshot(None) if self.snapshots else None), True
+                return Stop.wire(task_id, worker_snapshot(None) if self.snapshots else None)
             # With the worker's state: the draws made before the error are
             # part of where a resume starts (an error is a yielded item).
-            return Error.wire(task_id, self._batch_error(e), self._snapshot()), False
+            return Error.wire(task_id, self._batch_error(e), self._snapshot())
         samples = self.collate_fn.samples
         state = self._snapshot()
-        if arena is not None and (self.slot_collate is None or self.slot_collate.arena is not None):
-            try:
-                meta_off, meta_len = arena.write_meta(
-                    _layout.dumps(data, arena.place_all, samples, state)
-                )
-            except Exception:
-                # SlotFull, or something unpicklable: torch's path decides below.
-                pass
-            else:
-                self.busy.add(self.slots, samples, 1, arena.used)
-                self.slots.ring.publish(slot, task_id, meta_off, meta_len)
-                return None, False
+        if (
+            arena is not None
+            and (self.slot_collate is None or self.slot_collate.arena is not None)
+            and self._publish(arena, slot, task_id, data, samples, state)
+        ):
+            return None
+        return self._unslotted(arena, slot, task_id, data, samples, state)
+
+    def _publish(self, arena, slot, task_id, data, samples, state) -> bool:
+        """Write the batch's metadata into its slot (its tensors are there
+        already, or go there now) and publish it.  False where it does not
+        fit, or cannot be pickled: the pipe's path decides then."""
+        try:
+            meta_off, meta_len = arena.write_meta(
+                _layout.dumps(data, arena.place_all, samples, state)
+            )
+        except Exception:
+            return False  # SlotFull, or something unpicklable
+        assert self.slots is not None  # the arena is one of its slots
+        self.busy.add(self.slots, samples, 1, arena.used)
+        self.slots.ring.publish(slot, task_id, meta_off, meta_len)
+        return True
+
+    def _unslotted(self, arena, slot, task_id, data, samples, state):
+        """Deliver a batch outside the ring: in a one-off segment where it can
+        be measured, else pickled for the pipe.  Returns the pipe reply, or
+        None once sent."""
         reason = {NO_SLOT: RING_FULL, MEASURE: NO_RING}.get(slot, SPILL)
         # What it takes in a slot: the size of its one-off segment, and of
         # the ring to make (or to make when the next epoch starts: this one
         # outgrew it).
-        measured = slot == MEASURE or (slot >= 0 and cfg.measures_spills)
+        measured = slot == MEASURE or (slot >= 0 and self.cfg.measures_spills)
         needed = _slot_bytes_needed(data, state)
         if needed:
             try:
@@ -579,18 +620,18 @@ class _Work:
                 )
             except OSError as e:  # no memory for it
                 self.give_back(slot)
-                return Error.wire(task_id, self._shm_full(e), None), False
+                return Error.wire(task_id, self._shm_full(e), None)
             except Exception:
                 pass  # SlotFull, or something unpicklable: torch's path decides below
             else:
                 self.give_back(slot)
                 self.busy.add(self.slots, samples, 1, needed)
                 _one_off.send(
-                    cfg.results,
+                    self.cfg.results,
                     Segment.wire(task_id, reason, needed if measured else 0, samples),
                     segment,
                 )
-                return None, False
+                return None
         needed = needed if measured else 0
         try:
             # Pickled here, not by the pipe, so that a batch that cannot be
@@ -607,7 +648,7 @@ class _Work:
         self.busy.add(
             self.slots, samples, 1, len(reply) + shared_bytes if isinstance(reply, bytes) else 0
         )
-        return reply, False
+        return reply
 
     # ---- fetch="sample" -------------------------------------------------------
 
