@@ -26,6 +26,9 @@ from ._warn import WarnsBetweenBatches
 
 
 class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
+    # torch draws it as an int64 tensor's .item(), which types say may be a float.
+    _base_seed: int
+
     def __init__(self, loader) -> None:
         self._deferred_warnings = []  # (error, flag): see WarnsBetweenBatches
         resume = loader._take_resume()
@@ -65,6 +68,17 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
         if resume is not None:
             self._base_seed = resume.settle_base_seed(loader, self._base_seed, False, rng_before)
         self._epoch = loader._next_epoch()
+        self._begin_epoch(loader, epoch_sampler_state, epoch_start)
+        self._device_stage = DeviceStage(loader.device) if loader.device is not None else None
+        self._next_idx = 0  # epoch index of the next batch
+        self._replay = 0
+        self._pending_first_draw = None
+        if resume is not None:
+            self._resume_epoch(resume, iterable, users_rngs)
+
+    def _begin_epoch(self, loader, epoch_sampler_state, epoch_start) -> None:
+        """The epoch's record (what state_dict() saves), and under
+        seed_per_sample the fetcher that seeds each sample."""
         # Its own record: state_dict() describes the loader's newest iterator.
         self._progress = loader._progress = Progress()
         # The base seed is saved only where samples are seeded from it.
@@ -85,33 +99,32 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
                 self._auto_collation,
                 self._epoch,
             )
-        self._device_stage = DeviceStage(loader.device) if loader.device is not None else None
-        self._next_idx = 0  # epoch index of the next batch
-        self._replay = 0
-        self._pending_first_draw = None
-        if resume is not None:
-            self._progress.resumed_from(resume)
-            self._num_yielded = self._next_idx = resume.skip
-            if iterable:
-                if resume.replay:
-                    self._replay = resume.replayed
-                    self._next_idx = 0
-                    if self._replay:
-                        self._warn(replay_message(self._replay))
-                    if users_rngs is not None:
-                        # Now, on the epoch's RNGs, which then go back to the
-                        # user's (restored to where they stood after those batches).
-                        try:
-                            self._replay_yielded()
-                        finally:
-                            _set_process_rngs(users_rngs)
-            else:
-                self._pending_first_draw = resume
-                for drawn in range(resume.skip):
+
+    def _resume_epoch(self, resume, iterable: bool, users_rngs) -> None:
+        """Go on from where the resumed state was taken: past the batches
+        yielded before it, which a stream replays and a sampler draws again."""
+        self._progress.resumed_from(resume)
+        self._num_yielded = self._next_idx = resume.skip
+        if iterable:
+            if resume.replay:
+                self._replay = resume.replayed
+                self._next_idx = 0
+                if self._replay:
+                    self._warn(replay_message(self._replay))
+                if users_rngs is not None:
+                    # Now, on the epoch's RNGs, which then go back to the
+                    # user's (restored to where they stood after those batches).
                     try:
-                        self._next_index()
-                    except StopIteration:
-                        raise resume.sampler_ran_out(drawn) from None
+                        self._replay_yielded()
+                    finally:
+                        _set_process_rngs(users_rngs)
+        else:
+            self._pending_first_draw = resume
+            for drawn in range(resume.skip):
+                try:
+                    self._next_index()
+                except StopIteration:
+                    raise resume.sampler_ran_out(drawn) from None
 
     def _next_index(self):
         """The next batch's indices; under seed_per_sample, the positions its
