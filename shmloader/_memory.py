@@ -15,16 +15,28 @@ memory) counts as room, as it does in MemAvailable."""
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 CGROUP_ROOT = "/sys/fs/cgroup"
-_FILES = {  # controller line in /proc/self/cgroup -> (mount dir, limit file, usage file)
-    "v2": ("", "memory.max", "memory.current"),
-    "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes"),
-}
-# memory.stat's page cache lines (this cgroup and those below it).
-_CACHE_LINES = {
-    "v2": ("inactive_file", "active_file"),
-    "v1": ("total_inactive_file", "total_active_file"),
+
+
+class _Files(NamedTuple):
+    """Where a cgroup version keeps what _cgroup_room reads."""
+
+    mount: str  # below CGROUP_ROOT
+    limit: str
+    usage: str
+    cache_lines: tuple[str, ...]  # memory.stat's page cache (this cgroup and those below it)
+
+
+_FILES = {  # the version, as the controller line in /proc/self/cgroup says it
+    "v2": _Files("", "memory.max", "memory.current", ("inactive_file", "active_file")),
+    "v1": _Files(
+        "memory",
+        "memory.limit_in_bytes",
+        "memory.usage_in_bytes",
+        ("total_inactive_file", "total_active_file"),
+    ),
 }
 
 
@@ -40,7 +52,7 @@ def _read_int(path: str) -> int | None:
 def _page_cache(where: str, version: str) -> int:
     """Bytes of page cache charged to the cgroup at `where`: memory the
     kernel reclaims when a ring's pages need it."""
-    wanted = _CACHE_LINES[version]
+    wanted = _FILES[version].cache_lines
     total = 0
     try:
         with open(os.path.join(where, "memory.stat")) as f:
@@ -81,7 +93,7 @@ def _cgroup_dirs():
         )
         if version is None:
             continue
-        mount = os.path.join(CGROUP_ROOT, _FILES[version][0])
+        mount = os.path.join(CGROUP_ROOT, _FILES[version].mount)
         if version == "v2" and not os.path.exists(os.path.join(mount, "cgroup.controllers")):
             mount = os.path.join(CGROUP_ROOT, "unified")  # hybrid hierarchy
         # Inside a cgroup namespace (a container) the path is "/" and the
@@ -94,12 +106,12 @@ def _cgroup_room() -> tuple[int, str] | None:
     this process's cgroup and those above it, or None without a limit."""
     best = None
     for version, mount, path in _cgroup_dirs():
-        _, limit_file, usage_file = _FILES[version]
+        files = _FILES[version]
         parts = path.split("/") if path else []
         for depth in range(len(parts), -1, -1):
             where = os.path.join(mount, *parts[:depth])
-            limit = _read_int(os.path.join(where, limit_file))
-            usage = _read_int(os.path.join(where, usage_file))
+            limit = _read_int(os.path.join(where, files.limit))
+            usage = _read_int(os.path.join(where, files.usage))
             # v1 writes "no limit" as a huge number, near 2**63.
             if limit is None or usage is None or limit >= 1 << 62:
                 continue
