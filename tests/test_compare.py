@@ -390,6 +390,10 @@ def test_check_counts_nan_as_equal_to_nan():
         ),
         (["--dataset", "tests/no_such_file.py:make"], "there is no file 'tests/no_such_file.py'"),
         (
+            ["--dataset", "tests/c/ring_stress.c:make"],
+            "--dataset: tests/c/ring_stress.c cannot be imported: name a .py file",
+        ),
+        (
             ["--dataset", "tests.test_compare"],
             "names no callable: write package.module:callable or path/to/file.py",
         ),

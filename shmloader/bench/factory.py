@@ -79,12 +79,11 @@ def _import_file(path: str, option: str) -> Any:
             f"{option}: {path} would be imported as {name!r}, but a module of that name is already "
             f"imported (from {getattr(loaded, '__file__', 'a built-in')}): rename the file"
         )
-    sys.path.insert(0, str(file.parent))
     spec = importlib.util.spec_from_file_location(name, file)
-    # spec is None where no loader takes the file's suffix (a path without .py): then
-    # module_from_spec raises AttributeError, not an InputError (unchanged so far).
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    assert spec is not None and spec.loader is not None  # module_from_spec took it
+    if spec is None or spec.loader is None:  # no import loader takes its suffix
+        raise InputError(f"{option}: {path} cannot be imported: name a .py file")
+    sys.path.insert(0, str(file.parent))
+    module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
