@@ -3,14 +3,16 @@ fences behind a fake fence, registration against a fake CUDA runtime, device=
 handling), and the CUDA tests run where CUDA is."""
 
 import gc
+import warnings
 
 import pytest
 import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import TensorDataset
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 import shmloader
-from shmloader import _cuda
+from shmloader import _cuda, _torch_api
 from shmloader._ring import FREE, READING, Ring
 
 
@@ -280,3 +282,26 @@ def test_registration_failure_falls_back_to_torchs_pinning(monkeypatch):
     with pytest.warns(UserWarning, match="could not pin the ring"):
         got = list(loader)
     assert all(b[0].is_pinned() for b in got)
+
+
+@pytest.mark.parametrize("pin_memory_device", ["", "cuda"])
+def test_with_cuda_pin_memory_registers_the_ring_under_this_torch(monkeypatch, pin_memory_device):
+    """Whether the ring is pinned is read off what the installed torch's own iterator sets:
+    torch 2.6 pins to pin_memory_device ("" meaning CUDA), later torch to the current
+    accelerator. Torch is told it has CUDA here (the machines that run CI have none); a
+    decision that held on one torch only fails under the other (CI runs torch 2.6 too)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if hasattr(torch, "accelerator"):
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+        monkeypatch.setattr(
+            torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda")
+        )
+
+    def pins_to_cuda(**kw):
+        loader = TorchDataLoader(range(8), batch_size=2, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # later torch: pin_memory_device is deprecated
+            return _torch_api.pins_to_cuda(_BaseDataLoaderIter(loader))
+
+    assert pins_to_cuda(pin_memory=True, pin_memory_device=pin_memory_device)
+    assert not pins_to_cuda(pin_memory=False, pin_memory_device=pin_memory_device)
