@@ -1,0 +1,316 @@
+"""shmloader under real torchrun (python -m torch.distributed.run), gloo on localhost, CPU.
+
+Each job runs tests/torchrun_driver.py: a tiny DDP model trained for 3 epochs on a synthetic
+map-style dataset with random augmentation drawn in the loader's workers, through
+shmloader.DataLoader over a DistributedSampler(shuffle=True, fixed seed), 2 workers,
+set_epoch each epoch.  Every rank writes what it trained on as JSON; the test compares.
+
+- One node, 2 ranks: each rank's batches (indices and augmented values), losses and final
+  parameters equal those of the same training through torch's DataLoader; the ranks' indices
+  are disjoint and cover each epoch; the batches went through shmloader's ring (stats()).
+  A rank that raises, and a rank SIGKILLed mid-epoch, end the whole job.
+- Two "nodes" on this machine (two torchrun agents, c10d rendezvous on a free port), 4 ranks:
+  disjoint and complete epochs; a mid-epoch checkpoint per rank (model, optimizer, RNG,
+  loader.state_dict()) resumed by a second 2-node job trains on exactly the batches the
+  uninterrupted job trained on from there, rank for rank; a node killed whole (its agent,
+  its ranks, their loader workers, all at once) and a single rank killed end both nodes.
+
+Every process of a job carries a token in its environment (torchrun starts each rank in a
+session of its own, so neither a process group nor a session holds the job): after each job,
+no process with the token may be left, nor any new /dev/shm entry; whatever the outcome,
+the fixture SIGKILLs whatever still carries it.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch.distributed as dist
+import torch.utils.data as tud
+
+from tests import torchrun_driver as drv
+from tests.procs import alive, wait_gone
+from tests.test_distributed import _free_port
+
+pytestmark = [
+    pytest.mark.integrations,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed"
+    ),
+]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB_TIMEOUT_S = 120  # one torchrun job, start to end, on a loaded 2-core machine
+END_TIMEOUT_S = 45  # after a failure or a kill: every process of the job gone
+# A rank stuck this long dumps its stacks and exits (so a hang ends the job, never the test).
+DRIVER_WATCHDOG_S = 60
+# Rendezvous: both agents join at once; close/read bounds keep a survivor's shutdown short.
+RDZV_CONF = "join_timeout=60,close_timeout=10,read_timeout=30"
+
+
+class Job:
+    """The torchrun agents of one job and everything they start, found by a token."""
+
+    def __init__(self, tmp_path, name):
+        self.tmp = tmp_path
+        self.name = name
+        self.token = uuid.uuid4().hex
+        self.out = tmp_path / name
+        self.out.mkdir()
+        self.agents = []
+        self.logs = []
+
+    def env(self):
+        env = dict(os.environ)
+        env.update(
+            PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+            OMP_NUM_THREADS="1",
+            TORCHRUN_DRIVER_WATCHDOG=str(DRIVER_WATCHDOG_S),
+            SHMLOADER_TORCHRUN_TEST=self.token,
+        )
+        return env
+
+    def start(self, torchrun_args, driver_args):
+        log = self.tmp / f"{self.name}.agent{len(self.agents)}.log"
+        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
+        cmd += ["--max-restarts=0", "--monitor-interval=0.1", "-m", "tests.torchrun_driver"]
+        cmd += [str(self.out), *driver_args]
+        with open(log, "w") as f:
+            agent = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=self.env(),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.agents.append(agent)
+        self.logs.append(log)
+        return agent
+
+    def single_node(self, *driver_args):
+        self.start(["--standalone", "--nproc-per-node=2"], driver_args)
+        return self
+
+    def two_nodes(self, *driver_args, port=None):
+        port = port or _free_port()
+        for node in range(2):
+            self.start(
+                [
+                    "--nnodes=2",
+                    "--nproc-per-node=2",
+                    "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}",
+                    f"--rdzv-id={self.token}",
+                    f"--rdzv-conf={RDZV_CONF},is_host={int(node == 0)}",
+                    "--local-addr=127.0.0.1",
+                ],
+                driver_args,
+            )
+        return self
+
+    def pids(self):
+        """Every live process carrying this job's token (agents, ranks, loader workers)."""
+        needle = f"SHMLOADER_TORCHRUN_TEST={self.token}".encode()
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0") and alive(int(pid)):
+                        found.append(int(pid))
+            except OSError:
+                continue
+        return sorted(found)
+
+    def report(self):
+        return "".join(
+            f"--- {log.name} (exit {a.returncode}) ---\n{log.read_text()[-6000:]}\n"
+            for a, log in zip(self.agents, self.logs)
+        )
+
+    def wait(self, limit=JOB_TIMEOUT_S):
+        """The agents' exit codes, all within `limit` s of now; else kill all and fail."""
+        deadline = time.monotonic() + limit
+        for a in self.agents:
+            try:
+                a.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        running = [a.pid for a in self.agents if a.poll() is None]
+        if running:
+            left = self.pids()
+            self.kill_all()
+            raise AssertionError(
+                f"{self.name}: agents {running} still running after {limit} s; job processes "
+                f"{left}\n{self.report()}"
+            )
+        return [a.returncode for a in self.agents]
+
+    def kill_all(self):
+        for _ in range(50):
+            pids = self.pids()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            wait_gone(pids, 1.0)
+        for a in self.agents:
+            if a.poll() is None:
+                a.kill()
+            a.wait(10)
+
+    def assert_nothing_left(self, shm_before, limit=END_TIMEOUT_S):
+        """No process of the job within `limit` s; no /dev/shm entry it made."""
+        start = time.monotonic()
+        while (left := self.pids()) and time.monotonic() - start < limit:
+            time.sleep(0.05)
+        assert not left, f"{self.name}: processes left {left}\n{_describe(left)}\n{self.report()}"
+        new = set(os.listdir("/dev/shm")) - shm_before
+        if new:  # another process of this machine may have one open for a moment
+            time.sleep(1.0)
+            new &= set(os.listdir("/dev/shm"))
+        assert not new, f"{self.name}: left in /dev/shm: {sorted(new)}"
+
+    def rank_results(self, world):
+        return [json.loads((self.out / f"rank{r}.json").read_text()) for r in range(world)]
+
+    def wait_paused(self, rank, limit=JOB_TIMEOUT_S):
+        path = self.out / "paused" / f"rank{rank}"
+        deadline = time.monotonic() + limit
+        while not path.exists():
+            if time.monotonic() > deadline or all(a.poll() is not None for a in self.agents):
+                raise AssertionError(f"rank {rank} never paused\n{self.report()}")
+            time.sleep(0.05)
+        return json.loads(path.read_text())
+
+
+def _describe(pids):
+    from tests.procs import describe_stuck
+
+    return describe_stuck(pids)
+
+
+def _descendants(root):
+    """`root` and every process below it (by parent links, read now)."""
+    parents = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+    found, frontier = {root}, [root]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p and c not in found]
+        found.update(kids)
+        frontier.extend(kids)
+    return sorted(found)
+
+
+@pytest.fixture
+def jobs(tmp_path):
+    """Make Jobs; afterwards, whatever happened, SIGKILL whatever of theirs is left."""
+    made = []
+
+    def make(name):
+        made.append(Job(tmp_path, name))
+        return made[-1]
+
+    yield make
+    for job in made:
+        job.kill_all()
+
+
+@pytest.fixture
+def shm_before():
+    return set(os.listdir("/dev/shm"))
+
+
+# ------------------------------------------------------------------------------ checks
+def _expected_indices(world, rank, epoch):
+    """What a DistributedSampler with explicit world/rank yields (torch's own, no loader)."""
+    sampler = tud.DistributedSampler(
+        range(drv.N), num_replicas=world, rank=rank, shuffle=True, seed=drv.SAMPLER_SEED
+    )
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def _indices(run, epoch):
+    return [i for b in run["epochs"][str(epoch)] for i in b["index"]]
+
+
+def _check_epochs_split(results, epochs):
+    world = len(results)
+    for epoch in range(epochs):
+        seen = [_indices(res["shm"], epoch) for res in results]
+        for r in range(world):
+            assert seen[r] == _expected_indices(world, r, epoch), f"rank {r} epoch {epoch}"
+            assert results[r]["gathered"] == results[0]["gathered"]
+            assert results[r]["gathered"][r][str(epoch)] == seen[r]
+        everything = sorted(i for s in seen for i in s)
+        assert everything == list(range(drv.N)), f"epoch {epoch}: not disjoint and complete"
+    assert _indices(results[0]["shm"], 0) != _indices(results[0]["shm"], 1), "set_epoch ignored"
+
+
+def _check_stats(res, epochs):
+    """Every batch was delivered by shmloader's iterator; from the second epoch on (the ring
+    is sized from the first batch: slot_bytes=None), every one as a view of a ring slot."""
+    per_epoch = len(res["shm"]["epochs"]["0"])
+    stats = res["shm"]["stats"]
+    assert [s["batches"] for s in stats] == [per_epoch * (e + 1) for e in range(epochs)], stats
+    assert [s["samples"] for s in stats] == [
+        per_epoch * drv.BATCH * (e + 1) for e in range(epochs)
+    ], stats
+    last = stats[-1]
+    outside = last["unsized_batches"] + last["ring_full_batches"] + last["spilled_batches"]
+    assert last["slot_batches"] + outside == last["batches"], last
+    assert last["ring_full_batches"] == last["spilled_batches"] == last["fallback_leaves"] == 0
+    assert last["unsized_batches"] <= per_epoch, last
+    for before, after in zip(stats, stats[1:]):
+        assert after["slot_batches"] - before["slot_batches"] == per_epoch, stats
+    assert last["ring_slots"] > 0
+
+
+def _check_augmented(res):
+    """The augmentation is really random (else equal batches would prove little)."""
+    flips = [f for bs in res["shm"]["epochs"].values() for b in bs for f in b["flip"]]
+    assert any(flips) and not all(flips)
+    first = {}
+    for bs in res["shm"]["epochs"].values():
+        for b in bs:
+            for i, x in zip(b["index"], b["x"]):
+                first.setdefault(i, []).append(x)
+    assert all(len({tuple(x) for x in xs}) == len(xs) for xs in first.values())
+
+
+# ------------------------------------------------------------------------------ one node
+def test_single_node_two_ranks_equal_torch(jobs, shm_before):
+    job = jobs("single").single_node("--torch-ref")
+    codes = job.wait()
+    assert codes == [0], job.report()
+    results = job.rank_results(2)
+    for r, res in enumerate(results):
+        assert res["world"] == 2 and res["env"]["OMP_NUM_THREADS"] == "1"
+        # Batch for batch what torch's DataLoader gives this rank, augmentations included, and
+        # so the same training: the same losses and final weights, bit for bit.
+        assert res["shm"]["epochs"] == res["torch"]["epochs"], f"rank {r}: batches differ"
+        assert res["shm"]["losses"] == res["torch"]["losses"], f"rank {r}: losses differ"
+        assert res["shm"]["params"] == res["torch"]["params"], f"rank {r}: weights differ"
+        assert res["shm"]["len"] == res["torch"]["len"] == drv.N // 2 // drv.BATCH
+        _check_stats(res, drv.EPOCHS)
+        _check_augmented(res)
+    _check_epochs_split(results, drv.EPOCHS)
+    # DDP kept the replicas in step.
+    assert results[0]["shm"]["params"] == results[1]["shm"]["params"]
+    job.assert_nothing_left(shm_before)
