@@ -314,3 +314,23 @@ def test_single_node_two_ranks_equal_torch(jobs, shm_before):
     # DDP kept the replicas in step.
     assert results[0]["shm"]["params"] == results[1]["shm"]["params"]
     job.assert_nothing_left(shm_before)
+
+
+def test_single_node_rank_raises(jobs, shm_before):
+    # Rank 1 raises mid-epoch (its iterator and workers alive); rank 0 waits in DDP's
+    # all-reduce for it.  The agent sees rank 1 fail and ends rank 0 (SIGTERM).
+    job = jobs("raises").single_node("--raise-at", "1@1,2")
+    assert job.wait() == [1], job.report()
+    assert "fails on purpose at epoch 1 step 2" in job.report()
+    job.assert_nothing_left(shm_before)
+
+
+def test_single_node_rank_killed_mid_epoch(jobs, shm_before):
+    job = jobs("killed").single_node("--pause-at", "1@1,2")
+    paused = job.wait_paused(1)
+    assert len(paused["children"]) >= 2, paused  # its loader's workers, alive
+    assert all(alive(p) for p in paused["children"])
+    os.kill(paused["rank"], signal.SIGKILL)
+    assert job.wait(END_TIMEOUT_S) == [1], job.report()
+    assert "Signal 9 (SIGKILL)" in job.report()
+    job.assert_nothing_left(shm_before)
