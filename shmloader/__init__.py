@@ -5,12 +5,14 @@ from ._pool import WorkerDied
 from ._ring_memory import SharedMemoryError
 from ._sample_layout import SampleLayoutError
 from ._stats import LoaderStats
+from ._warn import RingBypassedWarning
 from .dataloader import DataLoader
 from .shared_list import SharedList
 
 __all__ = [
     "DataLoader",
     "LoaderStats",
+    "RingBypassedWarning",
     "SampleLayoutError",
     "SharedList",
     "SharedMemoryError",

@@ -19,12 +19,22 @@ if TYPE_CHECKING:
 _INTERNAL_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.utils.data.__file__))
 
 
-def warn(message: str) -> None:
+class RingBypassedWarning(UserWarning):
+    """A framework is about to move a shmloader loader's batches by torch's
+    transport instead of shmloader's ring (and without its options)."""
+
+
+def warn(
+    message: str, category: type[Warning] = UserWarning, also_past: tuple[str, ...] = ()
+) -> None:
+    """warnings.warn(message), naming the first frame that is not shmloader's,
+    torch's loader's, or in one of the folders `also_past` (a framework's)."""
+    internal = _INTERNAL_DIRS + also_past
     frame: FrameType | None = sys._getframe(1)
     level = 2
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, stacklevel=level)
+    warnings.warn(message, category, stacklevel=level)
 
 
 # torch's loader warns with stacklevel=2, naming the frame that called the

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import numbers
 import os
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -18,12 +20,20 @@ from torch.utils.data._utils.collate import default_collate
 from ._arena import changed_collation
 from ._cuda import check_device
 from ._iterator import IterableShmLoaderIter, ShmLoaderIter
+from ._rebuild import OPTIONS, options
 from ._resume import Progress, Resume, check_state, state_dict
 from ._ring import MAX_SLOTS
 from ._ring_memory import RingHandover
 from ._single import SingleProcessIter
 from ._stats import Counters, LoaderStats
-from ._warn import check_workers_as_torch
+from ._warn import RingBypassedWarning, check_workers_as_torch, warn
+
+# Set while shmloader.integrations.accelerate prepares a loader: Accelerate's
+# own preparation then goes on, and shmloader puts its loader back inside the
+# result (NOTE [accelerate]).
+preparing_for_ring: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "preparing_for_ring", default=False
+)
 
 
 def _positive_int(name, value, upper=None):
@@ -129,6 +139,14 @@ def _check_map_style(loader):
             "prefetch_next_epoch=True needs persistent_workers=True (and num_workers > 0): "
             "the workers that prefetch the next epoch must outlive this one."
         )
+
+
+# shmloader's options as DataLoader.__init__ defaults them.
+_OPTION_DEFAULTS = dict.fromkeys(OPTIONS) | {
+    "fetch": "batch",
+    "seed_per_sample": False,
+    "prefetch_next_epoch": False,
+}
 
 
 # Generic like torch's (DataLoader[Tensor] in annotations and subclasses).
@@ -378,3 +396,42 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def stats(self) -> LoaderStats:
         """Counters of this loader's iterators so far (see LoaderStats)."""
         return self._counters.snapshot()
+
+    # NOTE [accelerate]: Accelerate's prepare() replaces a loader with its
+    # DataLoaderShard around a *torch* DataLoader built from the loader's
+    # torch arguments, so a shmloader loader handed to it would silently lose
+    # the ring and its options.  The first thing Accelerator.prepare_data_loader
+    # reads of a loader is `_is_accelerate_prepared` (whether it was prepared
+    # already); nothing else reads that name.  Read here outside
+    # shmloader.integrations.accelerate, it says the user took the plain path:
+    # they are told, once per loader, the one line to change.
+    # shmloader.integrations.accelerate lets the preparation run and puts a
+    # shmloader loader back in place of the torch one (same arguments, same
+    # options), so Accelerate's sharding, device placement, gradient state and
+    # save_state() are its own.
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        if not preparing_for_ring.get() and not self.__dict__.get("_told_ring_bypassed"):
+            self.__dict__["_told_ring_bypassed"] = True
+            changed = [
+                f"{name}={value!r}"
+                for name, value in options(self).items()
+                if value != _OPTION_DEFAULTS[name]
+            ]
+            lost = f" and its options ({', '.join(changed)}) are dropped" if changed else ""
+            warn(
+                "accelerator.prepare() rebuilds this shmloader DataLoader as Accelerate's "
+                "DataLoaderShard around a torch DataLoader: its batches will not travel "
+                f"through shmloader's ring{lost}. To keep them, prepare it with "
+                "`loader = shmloader.integrations.accelerate.prepare_data_loader("
+                "accelerator, loader)` (see shmloader's docs/integrations.md).",
+                RingBypassedWarning,
+                also_past=tuple(
+                    p + os.sep for p in getattr(sys.modules.get("accelerate"), "__path__", ())
+                ),
+            )
+        return self.__dict__.get("_accelerate_prepared", False)
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        self.__dict__["_accelerate_prepared"] = value
