@@ -136,3 +136,26 @@ def describe_stuck(pids) -> str:
             )
             out.append(dump.stdout + dump.stderr)
     return "\n".join(out)
+
+
+def run_job(command, limit: float, **kwargs):
+    """subprocess.run(command) in a session of its own, output captured: past `limit`
+    s the whole session (a launcher, its ranks, their workers) is killed and the test
+    fails, never hangs."""
+    import subprocess
+
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
+    try:
+        output, _ = process.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"{command} did not end within {limit} s:\n{output[-4000:]}") from None
+    return subprocess.CompletedProcess(command, process.returncode, output)
