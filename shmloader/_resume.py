@@ -29,6 +29,7 @@ and become plain data only when state_dict() is called.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pickle
 import random
@@ -37,6 +38,7 @@ from array import array
 import numpy as np
 import torch
 
+from ._foreign_state import foreign_state
 from ._next_epoch import attribute, loader_samplers, sampler_generators
 
 # 2: the config names the sampler and batch sampler; 3: batches yielded per worker;
@@ -485,17 +487,17 @@ def state_dict(loader, progress: Progress) -> dict:
 
 
 def check_state(loader, state) -> dict:
-    """The state, if this loader can resume from it; else a clear error."""
+    """The state, if this loader can resume from it, else a clear error: a
+    torchdata StatefulDataLoader's state made into shmloader's where it can
+    be carried over (see _foreign_state.py), and a state taken after an
+    epoch's last batch made into that epoch's end (see epoch_run_out)."""
     if not isinstance(state, dict):
         raise ValueError(
             "load_state_dict expects a dict made by shmloader's "
             f"DataLoader.state_dict(), got {type(state).__name__}"
         )
     if "version" not in state:
-        raise ValueError(
-            "load_state_dict expects a dict made by shmloader's "
-            "DataLoader.state_dict(); this dict has no 'version' key"
-        )
+        state = foreign_state(loader, state)  # (raises where it cannot be carried over)
     if state["version"] != STATE_VERSION:
         raise ValueError(
             f"this state has version {state['version']}; this shmloader reads "
@@ -531,7 +533,110 @@ def check_state(loader, state) -> dict:
             )
         )
     _check_consistent(loader, state)
-    return state
+    return epoch_run_out(loader, state) or state
+
+
+def epoch_run_out(loader, state: dict) -> dict | None:
+    """A map-style state taken after the last batch of its epoch (every one
+    of the len(loader) batches yielded) but before the loop asked for more,
+    so before the iterator ran out, as the state taken once it has run out:
+    one that resumes with the next epoch whole.  (Mid-epoch, it would resume
+    the epoch's rest, which is empty: a framework that resumes such a
+    checkpoint into the next epoch, as Lightning does, would lose it.)
+
+    The generators and the sampler are not yet where the next epoch starts
+    from (without workers the sampler has not run out: a RandomSampler
+    draws once more as it does), so the epoch's sampler is run out here, on
+    the loader's own sampler and generators restored to the epoch's start
+    (as resuming mid-epoch draws the yielded batches again), and their states
+    after it are the next epoch's start; the loader's are then put back as
+    they were (Resume sets them again).  None where that is not so: an
+    IterableDataset (its length says nothing sure about its batches), a
+    sampler without len(), an epoch not done, or a sampler that does not run
+    out where len() says it does."""
+    if loader._dataset_kind == 1 or state["epoch_finished"] or state["batches_yielded_beyond"]:
+        return None
+    try:
+        batches = len(loader)
+    except TypeError:  # a sampler without len()
+        return None
+    if batches <= 0 or state["batches_yielded"] != batches:
+        return None
+    ended = _run_sampler_out(loader, state, batches)
+    if ended is None:
+        return None
+    generator_state, sampler_generator_states, sampler_state_then = ended
+    return {
+        **state,
+        "epoch": state["epoch"] + 1,
+        "epoch_finished": True,
+        "batches_yielded": 0,
+        "batches_yielded_beyond": [],
+        "batches_yielded_by_worker": [],
+        "generator_state": generator_state,
+        "sampler_generator_states": sampler_generator_states,
+        "torch_rng_state": None,
+        "sampler_started": False,
+        "sampler_state": sampler_state_then,
+        "epoch_start_worker_states": [],
+    }
+
+
+def _run_sampler_out(loader, state: dict, batches: int):
+    """(loader generator's state, its samplers' generators' states, the
+    sampler's own state_dict()) once the epoch `state` began has drawn
+    `batches` batches and its sampler has run out; None if it gives fewer or
+    more, or fails.  Torch's global RNG (which a RandomSampler without a
+    generator seeds itself from) is drawn from as it stood at the epoch's
+    start, privately; the loader's generators and sampler are left as they
+    were."""
+    generator = loader.generator
+    generators = sampler_generators(loader)
+    stateful = _stateful_sampler(loader)
+    before = (
+        generator.get_state() if generator is not None else None,
+        [g.get_state() for g in generators],
+        own_state_copy(stateful, "the sampler's") if stateful is not None else None,
+    )
+    try:
+        with torch.random.fork_rng(devices=[]):
+            if state["torch_rng_state"] is not None:
+                torch.set_rng_state(state["torch_rng_state"])
+            if generator is not None and state["generator_state"] is not None:
+                generator.set_state(state["generator_state"])
+            if len(state["sampler_generator_states"]) == len(generators):
+                for g, saved in zip(generators, state["sampler_generator_states"]):
+                    g.set_state(saved)
+            if stateful is not None and state["sampler_state"] is not None:
+                stateful.load_state_dict(state["sampler_state"])
+            drawn = iter(loader._index_sampler)
+            for _ in range(batches):
+                next(drawn)
+            try:
+                next(drawn)
+            except StopIteration:
+                pass
+            else:
+                return None  # more batches than len(loader) says: not the epoch's end
+            ended = (
+                generator.get_state() if generator is not None else None,
+                [g.get_state() for g in generators],
+                sampler_state(loader),
+            )
+    except Exception:  # noqa: BLE001 - resumed mid-epoch instead, which meets it at iter()
+        return None
+    finally:
+        if generator is not None and before[0] is not None:
+            generator.set_state(before[0])
+        for g, saved in zip(generators, before[1]):
+            g.set_state(saved)
+        if stateful is not None and before[2] is not None:
+            with contextlib.suppress(Exception):
+                if not isinstance(before[2], UnsavedState):
+                    stateful.load_state_dict(before[2])
+    if isinstance(ended[2], UnsavedState):
+        return None
+    return ended
 
 
 def _check_consistent(loader, state) -> None:

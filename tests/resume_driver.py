@@ -19,7 +19,8 @@ its own, so that a state is saved by one process and resumed by another (fresh) 
 Interrupt points: "pre" (a new loader, before any iter()), "e{E}k{K}" (epoch E, after K
 batches were yielded; K = 0 right after iter(); K = the epoch's length before the
 iterator has raised StopIteration), "end{E}" (after epoch E's StopIteration).  A user who
-checkpoints at e{E}k{K} restarts at epoch E (its rest first); at end{E}, at epoch E + 1.
+checkpoints at e{E}k{K} restarts at epoch E (its rest first); at end{E}, and at e{E}k{K}
+with K the epoch's length for a map-style dataset (see ends_epoch), at epoch E + 1.
 
 A batch is recorded as plain python (tensors as lists), so equality is exact.  Every
 sample carries `index` plus draws from random, numpy and torch's global RNGs made in
@@ -336,6 +337,7 @@ for _n, _s in SCENARIOS.items():
     _s.setdefault("uses_global_rng", "nogen" in _n)  # no generator=: torch's global RNG
     _s.setdefault("workers", 0 if "_w0" in _n else 2)
     _s.setdefault("resume_make", _s["make"])
+    _s.setdefault("iterable", _n.startswith("iterable"))
 
 
 def epoch_points(epoch, length):
@@ -357,9 +359,16 @@ def point_epoch(point):
     return int(point[1 : point.index("k")])
 
 
-def start_epoch(point):
-    """The epoch a user who checkpointed at `point` restarts at."""
-    return point_epoch(point) + point.startswith("end")
+def ends_epoch(scen, point, length):
+    """Whether `point` is right after the last of its epoch's `length` batches (before
+    StopIteration) of a map-style scenario: such a state resumes with the next epoch whole
+    (docs/resuming.md); an IterableDataset's resumes the epoch's (empty) rest."""
+    return not scen["iterable"] and "k" in point and 0 < length == int(point.split("k")[1])
+
+
+def start_epoch(point, ends=False):
+    """The epoch a user who checkpointed at `point` restarts at (`ends`: see ends_epoch)."""
+    return point_epoch(point) + (point.startswith("end") or ends)
 
 
 # ------------------------------------------------------------------------------ running
@@ -485,7 +494,9 @@ def run_resume(out, names):
                         torch.set_rng_state(checkpoint["torch_rng"])
                     loader = scen["resume_make"]()
                     loader.load_state_dict(checkpoint["loader"])
-                    entry["epochs"] = training_loop(scen, loader, start_epoch(point))
+                    # The user's loop knows an epoch's last batch by len(loader).
+                    ends = not scen["iterable"] and ends_epoch(scen, point, len(loader))
+                    entry["epochs"] = training_loop(scen, loader, start_epoch(point, ends))
                     del loader
                 entry["warnings"] = [str(w.message) for w in caught]
                 entry["warning_files"] = [os.path.basename(w.filename) for w in caught]

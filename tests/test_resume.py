@@ -153,9 +153,11 @@ def check_resumed(scen, ref, taken, point, resumed):
     and without workers, where the epoch's order is drawn at its first next(), not even
     that when the state was taken before it (k = 0)."""
     compare = scen["compare"]
-    first = D.start_epoch(point)
     k = point_k(point)
-    mid_epoch = "k" in point
+    # After a map-style epoch's last batch: the next epoch whole, as at the epoch's end.
+    ends = D.ends_epoch(scen, point, len(ref[D.point_epoch(point)]))
+    first = D.start_epoch(point, ends)
+    mid_epoch = "k" in point and not ends
     if mid_epoch:
         want = [ref[first][k:]] + ref[first + 1 :]
     else:
@@ -1450,3 +1452,197 @@ def test_a_replay_without_workers_draws_the_epochs_stream_again(k):
         got = [b.tolist() for b in resumed]
     assert len(rest) == 4 - k and got == rest
     assert (torch.rand(1), random.random()) == after
+
+
+# ------------------------------------------------------------------------------ an epoch's last batch
+# A state taken right after an epoch's last batch, before the loop asked for more (so before
+# the iterator raised StopIteration), resumes with the next epoch whole, as a state taken
+# once the epoch ran out does: it is what Lightning's ModelCheckpoint(every_n_train_steps=N)
+# writes when N divides the epoch's batches, and resumes into the next epoch.  (Before,
+# it resumed the epoch's rest, which is empty: the next epoch was lost.)
+def _counting_sampler(**kw):
+    return _map_loader(batch_size=D.BATCH, sampler=D.CountingSampler(), generator=D._gen(), **kw)
+
+
+LAST_BATCH = {
+    # name: (make, compare): "exact" (indices and augmentations), "index", "multiset"
+    "w0": (lambda: _map_loader(batch_size=D.BATCH, shuffle=True, generator=D._gen()), "index"),
+    "w2": (
+        lambda: _map_loader(batch_size=D.BATCH, shuffle=True, generator=D._gen(), **D.W2),
+        "exact",
+    ),
+    "w2_persistent": (
+        lambda: _map_loader(batch_size=D.BATCH, shuffle=True, generator=D._gen(), **D.W2P),
+        "exact",
+    ),
+    "w2_prefetch_next_epoch": (
+        lambda: _map_loader(
+            batch_size=D.BATCH, shuffle=True, generator=D._gen(), prefetch_next_epoch=True, **D.W2P
+        ),
+        "exact",
+    ),
+    "w2_unordered": (
+        lambda: _map_loader(
+            batch_size=D.BATCH, shuffle=True, generator=D._gen(), in_order=False, **D.W2
+        ),
+        "multiset",
+    ),
+    "w2_seed_per_sample": (
+        lambda: _map_loader(
+            batch_size=D.BATCH, shuffle=True, generator=D._gen(), seed_per_sample=True, **D.W2
+        ),
+        "exact",
+    ),
+    "w0_seed_per_sample": (
+        lambda: _map_loader(
+            batch_size=D.BATCH, shuffle=True, generator=D._gen(), seed_per_sample=True
+        ),
+        "exact",
+    ),
+    "w2_fetch_sample_persistent": (
+        lambda: _map_loader(
+            batch_size=D.BATCH,
+            shuffle=True,
+            generator=D._gen(),
+            fetch="sample",
+            seed_per_sample=True,
+            **D.W2P,
+        ),
+        "exact",
+    ),
+    # Without a generator the sampler seeds itself from torch's global RNG, which the user
+    # restores with the checkpoint (see check_resumed).
+    "w0_nogen": (lambda: _map_loader(batch_size=D.BATCH, shuffle=True), "index"),
+    "w2_nogen": (lambda: _map_loader(batch_size=D.BATCH, shuffle=True, **D.W2), "exact"),
+    "w2_nogen_persistent": (
+        lambda: _map_loader(batch_size=D.BATCH, shuffle=True, **D.W2P),
+        "exact",
+    ),
+    # A sampler with its own state_dict(), counting the epochs it began.
+    "stateful_sampler_w0": (_counting_sampler, "index"),
+    "stateful_sampler_w2": (lambda: _counting_sampler(**D.W2), "exact"),
+    "stateful_sampler_w2_persistent": (lambda: _counting_sampler(**D.W2P), "exact"),
+    # A RandomSampler with a generator of its own, in a plain BatchSampler.
+    "own_generator_batch_sampler_w0": (_sampler_with_its_own_generator(0, True), "list"),
+    "own_generator_batch_sampler_w2": (_sampler_with_its_own_generator(2, True), "list"),
+}
+
+
+def _batches(loader_or_iter, compare):
+    if compare == "list":
+        return [b.tolist() for b in loader_or_iter]
+    batches = D.record(list(loader_or_iter))
+    if compare == "index":
+        return [b["index"] for b in batches]
+    if compare == "multiset":
+        return sorted(repr(b["index"]) for b in batches)
+    return batches
+
+
+def _run_saving_after_the_last_batch(make, compare, epochs=3):
+    """The uninterrupted run (`epochs` epochs), and a state taken right after epoch 0's last
+    batch by a second run (which goes on to the end, and must be the same run), with torch's
+    global RNG state then."""
+    D.seed_all()
+    reference = make()
+    ref = [_batches(reference, compare) for _ in range(epochs)]
+    del reference
+    D.seed_all()
+    loader = make()
+    it = iter(loader)
+    first = [next(it) for _ in range(len(loader))]
+    state, rng = roundtrip(loader.state_dict()), torch.get_rng_state()
+    epoch0 = _batches(first + list(it), compare)
+    del first, it
+    taken = [epoch0] + [_batches(loader, compare) for _ in range(epochs - 1)]
+    assert taken == ref
+    return ref, state, rng
+
+
+@pytest.mark.parametrize("name", list(LAST_BATCH))
+def test_state_after_an_epochs_last_batch_resumes_the_next_epoch_whole(name):
+    """A new loader given a state taken right after epoch 0's last batch yields epoch 1 as
+    the uninterrupted run did (its own shuffle, every batch, the workers' augmentations),
+    then epoch 2; before, it yielded epoch 0's (empty) rest and then epoch 1."""
+    make, compare = LAST_BATCH[name]
+    ref, state, rng = _run_saving_after_the_last_batch(make, compare)
+    assert state["epoch"] == 0 and state["batches_yielded"] == len(ref[0])
+    D.seed_all()
+    torch.set_rng_state(rng)  # (only the *_nogen scenarios draw from it)
+    resumed = make()
+    resumed.load_state_dict(state)
+    loaded = resumed.state_dict()
+    assert loaded["epoch"] == 1 and loaded["epoch_finished"] and loaded["batches_yielded"] == 0
+    got = [_batches(resumed, compare) for _ in range(2)]
+    assert got[0] == ref[1], "the epoch after the state's differs"
+    assert got[1] == ref[2]
+
+
+def test_state_after_an_epochs_last_batch_is_the_state_at_its_end():
+    """Once loaded, a state taken after the last batch is the one taken after StopIteration
+    (generators, sampler, workers' states), so it is saved again as such."""
+    make, _ = LAST_BATCH["w2_persistent"]
+    loader = make()
+    it = iter(loader)
+    for _ in range(len(loader)):
+        next(it)
+    at_last = roundtrip(loader.state_dict())
+    assert list(it) == []
+    at_end = roundtrip(loader.state_dict())
+    del it, loader
+    resumed = make()
+    resumed.load_state_dict(at_last)
+    loaded = resumed.state_dict()
+    for key in at_end:
+        assert repr(loaded[key]) == repr(at_end[key]), key
+
+
+class _NoLenSampler(torch.utils.data.Sampler):
+    def __iter__(self):
+        return iter(range(8))
+
+
+class _SizedStream(torch.utils.data.IterableDataset):
+    """8 items, split between the workers; len() 8."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        first, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(range(first, 8, step))
+
+    def __len__(self):
+        return 8
+
+
+@pytest.mark.filterwarnings("ignore:shmloader. resuming")
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("case", ["short_len", "no_len", "iterable"])
+def test_state_after_the_batch_len_says_is_last_resumes_as_before(case, num_workers):
+    """Where len(loader) does not surely count the epoch's batches, a state taken after that
+    many batches resumes the epoch's rest, as any state mid-epoch: a sampler that yields more
+    than its len() says (its rest comes), one without len() and an IterableDataset (their
+    epoch's rest, empty here)."""
+    import shmloader
+
+    def make():
+        if case == "iterable":
+            return shmloader.DataLoader(_SizedStream(), batch_size=2, num_workers=num_workers)
+        sampler = _ShortLen() if case == "short_len" else _NoLenSampler()
+        return shmloader.DataLoader(
+            D.AugMap(100), batch_size=2, sampler=sampler, num_workers=num_workers
+        )
+
+    loader = make()
+    it = iter(loader)
+    batches = 10 if case == "short_len" else 4 if case == "no_len" else len(loader)
+    for _ in range(batches):
+        next(it)
+    state = loader.state_dict()
+    rest = [D.record(b)["index"] if case != "iterable" else None for b in it]
+    del it, loader
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert resumed.state_dict()["epoch"] == 0
+    got = [D.record(b)["index"] if case != "iterable" else None for b in resumed]
+    assert got == rest
+    assert (len(rest) > 0) == (case == "short_len")
