@@ -38,7 +38,6 @@ from array import array
 import numpy as np
 import torch
 
-from ._foreign_state import foreign_state
 from ._next_epoch import attribute, loader_samplers, sampler_generators
 
 # 2: the config names the sampler and batch sampler; 3: batches yielded per worker;
@@ -497,6 +496,8 @@ def check_state(loader, state) -> dict:
             f"DataLoader.state_dict(), got {type(state).__name__}"
         )
     if "version" not in state:
+        from ._foreign_state import foreign_state  # (which builds on this module)
+
         state = foreign_state(loader, state)  # (raises where it cannot be carried over)
     if state["version"] != STATE_VERSION:
         raise ValueError(

@@ -1646,3 +1646,161 @@ def test_state_after_the_batch_len_says_is_last_resumes_as_before(case, num_work
     got = [D.record(b)["index"] if case != "iterable" else None for b in resumed]
     assert got == rest
     assert (len(rest) > 0) == (case == "short_len")
+
+
+# ------------------------------------------------------------------------------ torchdata's states
+class _AugIndex(torch.utils.data.Dataset):
+    """Sample i: its index and draws from torch's and random's RNGs (the augmentations)."""
+
+    def __len__(self):
+        return 22
+
+    def __getitem__(self, i):
+        return {"index": i, "torch": torch.rand(1), "py": random.random()}
+
+
+class _StatefulAugIndex(_AugIndex):
+    def state_dict(self):
+        return {"n": 22}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _loader_kwargs(num_workers, shuffle, **kw):
+    if num_workers:
+        kw.setdefault("multiprocessing_context", "fork")
+    return dict(
+        batch_size=4,
+        shuffle=shuffle,
+        num_workers=num_workers,
+        generator=torch.Generator().manual_seed(3),
+        **kw,
+    )
+
+
+def _torchdata_state(k, dataset=None, **kw):
+    """A real StatefulDataLoader's state after k batches of its first epoch."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(dataset if dataset is not None else _AugIndex(), **kw)
+    it = iter(loader)
+    for _ in range(k):
+        next(it)
+    state = roundtrip(loader.state_dict())
+    del it, loader
+    return state
+
+
+def _records(loader, num_workers):
+    batches = D.record(list(loader))
+    # Without workers the augmentations draw from this process's RNG, the user's business.
+    return [b["index"] for b in batches] if num_workers == 0 else batches
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("shuffle", [False, True], ids=["sequential", "shuffled"])
+def test_a_torchdata_state_resumes_as_torchdata_does(shuffle, num_workers):
+    """A state made by torchdata's StatefulDataLoader after k batches: a shmloader given it
+    yields the batches torchdata's own resume yields (indices; with workers the
+    augmentations too, the workers seeded afresh from the state's base seed in both)."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    import shmloader
+
+    for k in (0, 3):
+        state = _torchdata_state(k, **_loader_kwargs(num_workers, shuffle))
+        theirs = StatefulDataLoader(_AugIndex(), **_loader_kwargs(num_workers, shuffle))
+        theirs.load_state_dict(state)
+        want = _records(theirs, num_workers)
+        ours = shmloader.DataLoader(_AugIndex(), **_loader_kwargs(num_workers, shuffle))
+        ours.load_state_dict(state)
+        got = _records(ours, num_workers)
+        assert len(got) == 6 - k and got == want, k
+        assert ours.stats().batches == 6 - k if num_workers else True
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("finished", [False, True], ids=["after_the_last_batch", "ran_out"])
+def test_a_sequential_torchdata_state_at_an_epochs_end_resumes_the_next_epoch(finished):
+    """torchdata resumes a state taken after the last batch (not yet run out) into an empty
+    epoch; shmloader, as with its own states, into the next epoch whole."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    import shmloader
+
+    kw = _loader_kwargs(0, False)
+    if finished:
+        loader = StatefulDataLoader(_AugIndex(), **kw)
+        list(loader)
+        state = roundtrip(loader.state_dict())
+    else:
+        state = _torchdata_state(6, **kw)
+    theirs = StatefulDataLoader(_AugIndex(), **_loader_kwargs(0, False))
+    theirs.load_state_dict(state)
+    assert len(list(theirs)) == (6 if finished else 0)
+    ours = shmloader.DataLoader(_AugIndex(), **_loader_kwargs(0, False))
+    ours.load_state_dict(state)
+    assert [b["index"].tolist() for b in ours] == [
+        list(range(i, min(i + 4, 22))) for i in range(0, 22, 4)
+    ]
+
+
+def _refused_torchdata_states():
+    """case: (the state, the loading shmloader's kwargs, what the message says)"""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def after(k, **kw):
+        return _torchdata_state(k, **_loader_kwargs(0, kw.pop("shuffle", True), **kw))
+
+    at_end = StatefulDataLoader(_AugIndex(), **_loader_kwargs(0, True))
+    list(at_end)
+    return {
+        "shuffled_at_the_last_batch": (after(6), {}, "taken at its epoch's end"),
+        "shuffled_ran_out": (roundtrip(at_end.state_dict()), {}, "taken at its epoch's end"),
+        "no_generator": (after(2), dict(generator=None), "has no generator"),
+        "sequential_into_shuffled": (after(2, shuffle=False), {}, "did not shuffle"),
+        "shuffled_into_sequential": (after(2), dict(shuffle=False), "shuffled"),
+        "batch_size": (after(2), dict(batch_size=5), "do not fit this loader's batch_size=5"),
+        "seed_per_sample": (after(2), dict(seed_per_sample=True), "counts no epochs"),
+        "sampler": (
+            after(2, shuffle=False),
+            dict(shuffle=None, sampler=D.CountingSampler(22)),
+            "over a CountingSampler",
+        ),
+        "dataset_state": (
+            _torchdata_state(2, _StatefulAugIndex(), **_loader_kwargs(0, True)),
+            {},
+            "its dataset's own state_dict()",
+        ),
+        "iterable": (after(2), "iterable", "IterableDataset"),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_a_torchdata_state_that_cannot_be_carried_over_is_refused():
+    """Refused with a ValueError naming what is missing and what to do (not load it)."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    import shmloader
+
+    for case, (state, kw, says) in _refused_torchdata_states().items():
+        if kw == "iterable":
+            loader = shmloader.DataLoader(_SizedStream(), batch_size=2)
+        else:
+            kw = {**_loader_kwargs(0, True), **kw}
+            loader = shmloader.DataLoader(_AugIndex(), **kw)
+        with pytest.raises(ValueError) as raised:
+            loader.load_state_dict(state)
+        message = str(raised.value)
+        assert "torchdata StatefulDataLoader state" in message, case
+        assert says in message, (case, message)
+        assert "do not load this state" in message, case
+
+
+@pytest.mark.parametrize("foreign", [{"epoch": 0}, {}, {"_snapshot": 1, "_iterator_finished": 0}])
+def test_a_dict_neither_shmloaders_nor_torchdatas_is_refused(foreign):
+    with pytest.raises(ValueError, match="no 'version' key and is neither .its keys"):
+        _map_loader(batch_size=4).load_state_dict(foreign)
