@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.utils.data as tud
 
 from tests import torchrun_driver as drv
-from tests.procs import alive, wait_gone
+from tests.procs import alive, our_segments, wait_gone
 from tests.test_distributed import _free_port
 
 pytestmark = [
@@ -175,11 +175,14 @@ class Job:
         while (left := self.pids()) and time.monotonic() - start < limit:
             time.sleep(0.05)
         assert not left, f"{self.name}: processes left {left}\n{_describe(left)}\n{self.report()}"
+        assert not our_segments()
+        # Other processes of this machine (tests run beside these) make entries too; one of
+        # theirs is open or mapped by its live owner, one left behind by nobody.
         new = set(os.listdir("/dev/shm")) - shm_before
-        if new:  # another process of this machine may have one open for a moment
-            time.sleep(1.0)
-            new &= set(os.listdir("/dev/shm"))
-        assert not new, f"{self.name}: left in /dev/shm: {sorted(new)}"
+        deadline = time.monotonic() + 2.0
+        while (orphans := _unheld(new)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not orphans, f"{self.name}: left in /dev/shm: {sorted(orphans)}"
 
     def rank_results(self, world):
         return [json.loads((self.out / f"rank{r}.json").read_text()) for r in range(world)]
@@ -192,6 +195,27 @@ class Job:
                 raise AssertionError(f"rank {rank} never paused\n{self.report()}")
             time.sleep(0.05)
         return json.loads(path.read_text())
+
+
+def _unheld(names):
+    """Those of /dev/shm's entries `names` that still exist and that no live process has
+    open or mapped."""
+    names = {n for n in names if os.path.exists(os.path.join("/dev/shm", n))}
+    if not names:
+        return set()
+    held = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+            held.update(n for n in names if f"/dev/shm/{n}" in maps)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    held.add(target[len("/dev/shm/") :])
+        except OSError:
+            continue
+    return names - held
 
 
 def _describe(pids):
@@ -381,3 +405,65 @@ def test_two_nodes_split_and_per_rank_resume(jobs, shm_before, tmp_path):
                 torch.tensor(value), rtol=1e-5, atol=1e-6
             ), f"rank {r}: final {name} differs"
     resumed.assert_nothing_left(shm_before)
+
+
+def _kill_node(agent_pid):
+    """SIGKILL a "node" at once: its agent's process group and everything below the agent
+    (its ranks are in sessions of their own, their loader workers below them), all stopped
+    first so that none forks or reacts in between.  Returns the pids killed."""
+    pids = set()
+    while new := set(_descendants(agent_pid)) - pids:
+        for pid in new:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        pids |= new
+    os.killpg(agent_pid, signal.SIGKILL)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return sorted(pids)
+
+
+def _pause_rank3(job):
+    """Rank 3 pauses mid-epoch 1 (its workers alive); the other ranks wait for it in DDP's
+    all-reduce.  Returns what it wrote, and which agent (node) it runs under."""
+    paused = job.wait_paused(3)
+    assert len(paused["children"]) >= 2 and all(alive(p) for p in paused["children"]), paused
+    node = [a.pid for a in job.agents].index(paused["agent"])
+    return paused, node
+
+
+@pytest.mark.parametrize("killed", ["store_host", "other_node"])
+def test_two_nodes_node_killed(jobs, shm_before, killed):
+    # Node 0's agent hosts the rendezvous store (is_host=1): with it gone, the survivor also
+    # loses the store (its rendezvous shutdown fails, quickly: connection closed).
+    job = jobs("node_killed").two_nodes("--pause-at", "3@1,1")
+    paused, paused_node = _pause_rank3(job)
+    victim = 0 if killed == "store_host" else 1
+    killed_pids = _kill_node(job.agents[victim].pid)
+    assert len(killed_pids) >= 7, killed_pids  # agent, 2 ranks, 4 workers
+    start = time.monotonic()
+    codes = job.wait(END_TIMEOUT_S)
+    took = time.monotonic() - start
+    survivor = 1 - victim
+    assert codes[victim] == -signal.SIGKILL
+    # The survivor's ranks fail in gloo (peer connection closed), its agent stops the rest.
+    assert codes[survivor] == 1, job.report()
+    job.assert_nothing_left(shm_before)
+    print(f"node {victim} killed (rank 3 on node {paused_node}): job ended in {took:.1f} s")
+
+
+def test_two_nodes_rank_killed(jobs, shm_before):
+    job = jobs("rank_killed").two_nodes("--pause-at", "3@1,1")
+    paused, node = _pause_rank3(job)
+    os.kill(paused["rank"], signal.SIGKILL)
+    start = time.monotonic()
+    assert job.wait(END_TIMEOUT_S) == [1, 1], job.report()
+    took = time.monotonic() - start
+    assert "Signal 9 (SIGKILL) received by PID %d" % paused["rank"] in job.report()
+    job.assert_nothing_left(shm_before)
+    print(f"rank 3 (node {node}) killed: job ended in {took:.1f} s")

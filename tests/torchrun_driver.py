@@ -21,8 +21,9 @@ gathered over the process group.
 --raise-at R@E,K  rank R raises after the K-th step of epoch E, its iterator and workers
              alive.
 --pause-at R@E,K  rank R, after the K-th step of epoch E, writes OUT/paused/rank{RANK} (with this
-             process's pid and its children's: the loader's workers) and sleep, the iterator
-             and its workers alive, for the test to kill something.
+             process's pid and its children's: the loader's workers) and sleeps (the iterator
+             and its workers alive) for $TORCHRUN_DRIVER_PAUSE s (default 120), for the
+             test to kill something, then trains on.
 
 Every batch also appends to OUT/progress/rank{RANK} the pids of this rank and its children.
 A rank that makes no progress for WATCHDOG_S dumps its stacks and exits (a hang then ends
@@ -52,7 +53,8 @@ EPOCHS = 3
 SAMPLER_SEED = 11
 SEED = 1234  # torch's global RNG at start-up: rank r seeds SEED + r
 WATCHDOG_S = float(os.environ.get("TORCHRUN_DRIVER_WATCHDOG", "60"))
-PAUSE_S = 120  # longer than the test waits for the job to end after its kill
+# How long --pause-at sleeps: longer than the test waits for the job to end after its kill.
+PAUSE_S = float(os.environ.get("TORCHRUN_DRIVER_PAUSE", "120"))
 
 
 class AugDataset(tud.Dataset):
@@ -184,7 +186,7 @@ def train(cls, args, rank, out):
                 _write(os.path.join(out, "paused", f"rank{rank}"), pids)
                 faulthandler.cancel_dump_traceback_later()
                 time.sleep(PAUSE_S)
-                sys.exit(f"rank {rank} paused {PAUSE_S} s and was not killed")
+                faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
         stats.append(_stats(loader))
     return {
         "epochs": epochs,
