@@ -58,7 +58,8 @@ RDZV_CONF = "join_timeout=60,close_timeout=10,read_timeout=30"
 class Job:
     """The torchrun agents of one job and everything they start, found by a token."""
 
-    def __init__(self, tmp_path, name):
+    def __init__(self, tmp_path, name, pause_s=120):
+        self.pause_s = pause_s  # how long --pause-at pauses (then the rank trains on)
         self.tmp = tmp_path
         self.name = name
         self.token = uuid.uuid4().hex
@@ -66,6 +67,13 @@ class Job:
         self.out.mkdir()
         self.agents = []
         self.logs = []
+        # Where the job's /dev/shm is: a folder of its own, bind-mounted there in a private
+        # mount namespace where one can be made (root), so that what is left in it is the
+        # job's; else the machine's, shared with whatever else runs.
+        self.shm = None
+        if _private_shm_works():
+            self.shm = tmp_path / f"{name}.dev-shm"
+            self.shm.mkdir()
 
     def env(self):
         env = dict(os.environ)
@@ -73,6 +81,7 @@ class Job:
             PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
             OMP_NUM_THREADS="1",
             TORCHRUN_DRIVER_WATCHDOG=str(DRIVER_WATCHDOG_S),
+            TORCHRUN_DRIVER_PAUSE=str(self.pause_s),
             SHMLOADER_TORCHRUN_TEST=self.token,
         )
         return env
@@ -82,6 +91,8 @@ class Job:
         cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
         cmd += ["--max-restarts=0", "--monitor-interval=0.1", "-m", "tests.torchrun_driver"]
         cmd += [str(self.out), *driver_args]
+        if self.shm is not None:  # the agent execs torchrun in its own /dev/shm (same pid)
+            cmd = ["unshare", "-m", "sh", "-c", _BIND_SHM, "sh", str(self.shm), *cmd]
         with open(log, "w") as f:
             agent = subprocess.Popen(
                 cmd,
@@ -176,8 +187,12 @@ class Job:
             time.sleep(0.05)
         assert not left, f"{self.name}: processes left {left}\n{_describe(left)}\n{self.report()}"
         assert not our_segments()
-        # Other processes of this machine (tests run beside these) make entries too; one of
-        # theirs is open or mapped by its live owner, one left behind by nobody.
+        if self.shm is not None:
+            left = sorted(os.listdir(self.shm))
+            assert not left, f"{self.name}: left in its /dev/shm: {left}"
+            return
+        # The machine's /dev/shm: other processes (tests run beside these) make entries too;
+        # one of theirs is open or mapped by its live owner, one left behind by nobody.
         new = set(os.listdir("/dev/shm")) - shm_before
         deadline = time.monotonic() + 2.0
         while (orphans := _unheld(new)) and time.monotonic() < deadline:
@@ -195,6 +210,31 @@ class Job:
                 raise AssertionError(f"rank {rank} never paused\n{self.report()}")
             time.sleep(0.05)
         return json.loads(path.read_text())
+
+
+_BIND_SHM = 'mount --bind "$1" /dev/shm && shift && exec "$@"'
+_private_shm = []
+
+
+def _private_shm_works():
+    """Whether `unshare -m` can give a process a /dev/shm of its own here (asked once)."""
+    if not _private_shm:
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp()
+        try:
+            probe = subprocess.run(
+                ["unshare", "-m", "sh", "-c", _BIND_SHM, "sh", folder, "true"],
+                capture_output=True,
+                timeout=30,
+            )
+            _private_shm.append(probe.returncode == 0)
+        except (OSError, subprocess.TimeoutExpired):
+            _private_shm.append(False)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    return _private_shm[0]
 
 
 def _unheld(names):
@@ -247,8 +287,8 @@ def jobs(tmp_path):
     """Make Jobs; afterwards, whatever happened, SIGKILL whatever of theirs is left."""
     made = []
 
-    def make(name):
-        made.append(Job(tmp_path, name))
+    def make(name, **kw):
+        made.append(Job(tmp_path, name, **kw))
         return made[-1]
 
     yield make
@@ -467,3 +507,35 @@ def test_two_nodes_rank_killed(jobs, shm_before):
     assert "Signal 9 (SIGKILL) received by PID %d" % paused["rank"] in job.report()
     job.assert_nothing_left(shm_before)
     print(f"rank 3 (node {node}) killed: job ended in {took:.1f} s")
+
+
+def test_two_nodes_agent_alone_killed(jobs, shm_before):
+    """SIGKILL of one agent's process group alone is not a node's death under torchrun: it
+    starts each rank in a session of its own (and no parent-death signal), so that node's
+    ranks live on and the job trains to its end, their loaders with them; the other agent
+    then waits in its exit barrier for the dead one (300 s, LocalElasticAgent's default, not
+    a torchrun option) and exits 0.  The test checks the ranks' part, then ends that agent."""
+    job = jobs("agent_killed", pause_s=3).two_nodes("--pause-at", "3@1,1")
+    paused, node = _pause_rank3(job)
+    os.killpg(job.agents[node].pid, signal.SIGKILL)
+    ranks = [paused["rank"], *paused["children"]]
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not all((job.out / f"rank{r}.json").exists() for r in range(4)):
+        assert time.monotonic() < deadline, f"the ranks did not finish\n{job.report()}"
+        time.sleep(0.1)
+    results = job.rank_results(4)
+    _check_epochs_split(results, drv.EPOCHS)
+    for res in results:
+        _check_stats(res, drv.EPOCHS)
+    # Every rank and loader worker ends by itself; only the surviving agent may be left.
+    survivor = job.agents[1 - node].pid
+    start = time.monotonic()
+    while set(job.pids()) - {survivor} and time.monotonic() - start < END_TIMEOUT_S:
+        time.sleep(0.05)
+    left = set(job.pids()) - {survivor}
+    assert not left, f"left: {sorted(left)} (rank 3 and its workers: {ranks})\n{job.report()}"
+    assert job.agents[node].wait(10) == -signal.SIGKILL
+    waiting = job.agents[1 - node].poll() is None
+    print(f"agent {node} killed alone: ranks done; agent {1 - node} still waiting: {waiting}")
+    job.kill_all()
+    job.assert_nothing_left(shm_before)
