@@ -13,12 +13,15 @@ set_epoch each epoch.  Every rank writes what it trained on as JSON; the test co
   disjoint and complete epochs; a mid-epoch checkpoint per rank (model, optimizer, RNG,
   loader.state_dict()) resumed by a second 2-node job trains on exactly the batches the
   uninterrupted job trained on from there, rank for rank; a node killed whole (its agent,
-  its ranks, their loader workers, all at once) and a single rank killed end both nodes.
+  its ranks, their loader workers, all at once; the node hosting the rendezvous store or
+  the other) and a single rank killed end both nodes.  An agent killed alone leaves its
+  ranks to train to the end (torchrun's doing, see test_two_nodes_agent_alone_killed).
 
 Every process of a job carries a token in its environment (torchrun starts each rank in a
 session of its own, so neither a process group nor a session holds the job): after each job,
-no process with the token may be left, nor any new /dev/shm entry; whatever the outcome,
-the fixture SIGKILLs whatever still carries it.
+no process with the token may be left, nor any entry in its /dev/shm (a folder of its own
+where a private mount namespace can be made); whatever the outcome, the fixture SIGKILLs
+whatever still carries the token.  About 60 s on 2 cores.
 """
 
 import json
