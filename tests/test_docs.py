@@ -24,7 +24,7 @@ README_MAX_LINES = 200
 # What CI runs (.ci/run); the README gives it as one line to copy.
 TEST_COMMAND = (
     "python -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 numpy "
-    '&& pip install -e ".[test]" && python -m pytest -q tests'
+    '&& pip install -e ".[test,integrations]" && python -m pytest -q tests'
 )
 # Pages other work adds (issues 27 and 28): linked already, checked like any page once they
 # exist; until then a link to them is the only kind allowed to dangle.
