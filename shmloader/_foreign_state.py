@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
 from ._next_epoch import sampler_generators
-from ._resume import STATE_VERSION, _config
+from ._resume import STATE_VERSION, loader_config
 
 # torchdata.stateful_dataloader.stateful_dataloader's keys (0.11).
 _SINGLE = {"_num_yielded", "_sampler_iter_yielded", "_sampler_iter_state", "_iterator_finished"}
@@ -109,7 +109,7 @@ def foreign_state(loader, state: dict) -> dict:
     own = sampler_generators(loader)  # a RandomSampler's generator, not the loader's
     return {
         "version": STATE_VERSION,
-        "config": _config(loader),
+        "config": loader_config(loader),
         "epoch": 0,
         "epoch_finished": False,
         # Finished (sequential only): every batch yielded, which check_state makes into the

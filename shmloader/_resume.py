@@ -347,7 +347,7 @@ def _stateful_sampler(loader):
     return None
 
 
-def _config(loader) -> dict:
+def loader_config(loader) -> dict:
     try:
         length = len(loader.dataset)
     except TypeError:
@@ -445,7 +445,7 @@ def state_dict(loader, progress: Progress) -> dict:
         sampler_now = progress.next_start.sampler_state
     state = {
         "version": STATE_VERSION,
-        "config": _config(loader),
+        "config": loader_config(loader),
         # A finished epoch resumes with the next one, from the generator and
         # the sampler as they are now (the next iterator starts from them).
         "epoch": progress.epoch + 1 if progress.started and progress.finished else progress.epoch,
@@ -486,19 +486,20 @@ def state_dict(loader, progress: Progress) -> dict:
 
 
 def check_state(loader, state) -> dict:
-    """The state, if this loader can resume from it, else a clear error: a
-    torchdata StatefulDataLoader's state made into shmloader's where it can
-    be carried over (see _foreign_state.py), and a state taken after an
-    epoch's last batch made into that epoch's end (see epoch_run_out)."""
+    """The state, if this loader can resume from it, else a clear error; a
+    state taken after an epoch's last batch made into that epoch's end (see
+    epoch_run_out).  (A torchdata state was made shmloader's before, where it
+    can be: _foreign_state.py.)"""
     if not isinstance(state, dict):
         raise ValueError(
             "load_state_dict expects a dict made by shmloader's "
             f"DataLoader.state_dict(), got {type(state).__name__}"
         )
     if "version" not in state:
-        from ._foreign_state import foreign_state  # (which builds on this module)
-
-        state = foreign_state(loader, state)  # (raises where it cannot be carried over)
+        raise ValueError(
+            "load_state_dict expects a dict made by shmloader's "
+            "DataLoader.state_dict(); this dict has no 'version' key"
+        )
     if state["version"] != STATE_VERSION:
         raise ValueError(
             f"this state has version {state['version']}; this shmloader reads "
@@ -515,7 +516,7 @@ def check_state(loader, state) -> dict:
                 f"this state's {key!r} should be {what}, but it is "
                 f"{state[key]!r:.200}; was it changed after state_dict()?"
             )
-    ours = _config(loader)
+    ours = loader_config(loader)
     theirs = state["config"]
     differ = [
         k

@@ -19,6 +19,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from ._arena import changed_collation
 from ._cuda import check_device
+from ._foreign_state import foreign_state
 from ._iterator import IterableShmLoaderIter, ShmLoaderIter
 from ._rebuild import OPTIONS, options
 from ._resume import Progress, Resume, check_state, state_dict
@@ -357,6 +358,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         the same batching (else ValueError); call it before iter().  A
         persistent iterator already running goes on with its epoch, no longer
         this loader's (as in torchdata's StatefulDataLoader)."""
+        if isinstance(state_dict, dict) and "version" not in state_dict:
+            state_dict = foreign_state(self, state_dict)  # torchdata's, where it carries over
         state = check_state(self, state_dict)
         # A persistent iterator is let go, as torchdata's StatefulDataLoader
         # does: the next iter() starts afresh, while one still in use goes on
