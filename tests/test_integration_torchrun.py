@@ -113,8 +113,25 @@ class Job:
         self.start(["--standalone", "--nproc-per-node=2"], driver_args)
         return self
 
-    def two_nodes(self, *driver_args, port=None):
+    def two_nodes(self, *driver_args, port=None, store_here=False):
+        """Two agents.  The rendezvous store is hosted by node 0's agent, or, with
+        store_here, by this test process, as a cluster's own store outlives the jobs: an
+        agent that hosts it takes it down as it exits, and on a loaded machine the other
+        agent, still in its exit barrier, then fails a job that trained to its end."""
         port = port or _free_port()
+        if store_here:
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                is_master=True,
+                multi_tenant=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=JOB_TIMEOUT_S),
+            )
         for node in range(2):
             self.start(
                 [
@@ -123,7 +140,7 @@ class Job:
                     "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}",
                     f"--rdzv-id={self.token}",
-                    f"--rdzv-conf={RDZV_CONF},is_host={int(node == 0)}",
+                    f"--rdzv-conf={RDZV_CONF},is_host={int(node == 0 and not store_here)}",
                     "--local-addr=127.0.0.1",
                 ],
                 driver_args,
@@ -409,7 +426,7 @@ SAVE_AT = (1, 1)  # mid-epoch: after step 1 of epoch 1's 3 (48 samples / 4 ranks
 
 
 def test_two_nodes_split_and_per_rank_resume(jobs, shm_before, tmp_path):
-    full = jobs("full").two_nodes("--torch-ref", "--save-at", "%d,%d" % SAVE_AT)
+    full = jobs("full").two_nodes("--torch-ref", "--save-at", "%d,%d" % SAVE_AT, store_here=True)
     assert full.wait() == [0, 0], full.report()
     results = full.rank_results(4)
     assert sorted(res["env"]["GROUP_RANK"] for res in results) == ["0", "0", "1", "1"]
@@ -425,7 +442,9 @@ def test_two_nodes_split_and_per_rank_resume(jobs, shm_before, tmp_path):
 
     # A second job resumes every rank from its own checkpoint (saved by the first job while
     # it went on training): the rest of the training must be the same, rank for rank.
-    resumed = jobs("resumed").two_nodes("--resume", "--ckpt", str(full.out / "ckpt"))
+    resumed = jobs("resumed").two_nodes(
+        "--resume", "--ckpt", str(full.out / "ckpt"), store_here=True
+    )
     assert resumed.wait() == [0, 0], resumed.report()
     again = resumed.rank_results(4)
     e0, k0 = SAVE_AT
