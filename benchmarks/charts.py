@@ -18,7 +18,13 @@ except ImportError:  # charts are optional: the table and the JSON do not need m
     Figure = None
 AVAILABLE = Figure is not None
 
-COLOURS = {"torch": "tab:blue", "shmloader": "tab:orange", report.LIMIT: "tab:gray"}
+COLOURS = {
+    "torch": "tab:blue",
+    "shmloader": "tab:orange",
+    "shmloader device=": "tab:red",
+    report.LIMIT: "tab:gray",
+    "ideal": "tab:gray",
+}
 LABELS = {
     report.LIMIT: "transport-free limit"
 }  # legend names where the short name would not say enough
@@ -36,6 +42,51 @@ def write(document: dict[str, Any], out: Path) -> list[Path]:
         paths.append(out.with_name(f"{out.stem}-vs-sample-size.png"))
         sample_size_chart(sweep, document["machine"]).savefig(paths[1], dpi=DPI)
     return paths
+
+
+def write_train(document: dict[str, Any], out: Path) -> list[Path]:
+    """train.py's chart next to `out`, where matplotlib is installed."""
+    if not AVAILABLE:
+        return []
+    path = out.with_suffix(".png")
+    train_chart(document).savefig(path, dpi=DPI)
+    return [path]
+
+
+def train_chart(document: dict[str, Any]) -> "Figure":
+    """Steps/s of the training loop per case, a bar per way of feeding it, each labelled
+    with its percentage of the ideal's."""
+    runs = document["runs"]
+    names = list(runs[0]["rows"])
+    figure = Figure(
+        figsize=(max(1.6 * len(runs) * len(names) / 2, MIN_WIDTH), 4.6), layout="constrained"
+    )
+    ax = figure.subplots()
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        positions = [i + (k - (len(names) - 1) / 2) * width for i in range(len(runs))]
+        bars = ax.bar(
+            positions,
+            [run["rows"][name]["of_ideal"] for run in runs],
+            width,
+            label=name,
+            color=COLOURS[name],
+        )
+        ax.bar_label(
+            bars, [f"{run['rows'][name]['steps_per_s']:.3g}/s" for run in runs], fontsize=7
+        )
+    ax.set_xticks(
+        range(len(runs)), [f"{r['case']}\n({r['bound']}-bound)" for r in runs], fontsize=8
+    )
+    ax.set_ylabel("steps/s, fraction of the ideal's")
+    ax.yaxis.set_major_formatter(StrMethodFormatter("{x:.0%}"))
+    ax.margins(y=0.12)
+    finish(
+        figure,
+        f"Training loop fed by each loader, against batches already in memory ({document['cores']})",
+        document["machine"],
+    )
+    return figure
 
 
 def series(run: dict[str, Any]) -> dict[str, dict[str, Any]]:

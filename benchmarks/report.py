@@ -122,6 +122,67 @@ def summary(records: list[dict[str, Any]]) -> str:
     return "\n".join(["summary (samples/s, medians)", *aligned([header, *rows])])
 
 
+# train.py's columns: (heading, key in a condition's row, template, scale).
+TRAIN_COLUMNS = [
+    ("steps/s", "steps_per_s", "{:.3g}", 1),
+    ("samples/s", "samples_per_s", "{:,.0f}", 1),
+    ("of ideal", "of_ideal", "{:.0%}", 1),
+    ("spread", "spread", "{:.0%}", 1),
+    ("in next() ms/step", "next_ms", "{:.2f}", 1),
+    ("its CPU ms/step", "next_cpu_ms", "{:.2f}", 1),
+    ("main CPU ms/step", "main_cpu_ms", "{:.1f}", 1),
+    ("loader MiB", "loader_bytes", "{:,.0f}", 2**-20),
+    ("GPU busy", "gpu_busy", "{:.0%}", 1),
+]
+
+
+def _train_cells(row: dict[str, Any]) -> list[str]:
+    return [
+        "-" if row.get(key) is None else template.format(row[key] * scale)
+        for _, key, template, scale in TRAIN_COLUMNS
+    ]
+
+
+def _train_columns(run: dict[str, Any]) -> list[tuple[str, str, str, float]]:
+    """The columns a run has figures for (GPU busy only on a GPU)."""
+    rows = run["rows"].values()
+    return [c for c in TRAIN_COLUMNS if any(row.get(c[1]) is not None for row in rows)]
+
+
+def train_table(run: dict[str, Any]) -> str:
+    """The terminal table of one train.py case: a row per condition."""
+    columns = _train_columns(run)
+    title = (
+        f"{run['case']} ({run['bound']}-bound): {run['description']}; "
+        f"{workers_label(run['workers'])}, median of {run['repetitions']} x {run['steps']} steps"
+    )
+    rows = [
+        [name, *(c for c, col in zip(_train_cells(row), TRAIN_COLUMNS) if col in columns)]
+        for name, row in run["rows"].items()
+    ]
+    return "\n".join([title, *aligned([["feeding", *(c[0] for c in columns)], *rows])])
+
+
+def train_markdown(document: dict[str, Any]) -> list[str]:
+    """A train.py document: a row per case and condition."""
+    columns = _train_columns(
+        {"rows": {k: v for r in document["runs"] for k, v in r["rows"].items()}}
+    )
+    lines = [f"Cores: {document['cores']}.", ""]
+    lines += _head(["case", "feeding", *(c[0] for c in columns)])
+    for run in document["runs"]:
+        for name, row in run["rows"].items():
+            cells = [c for c, col in zip(_train_cells(row), TRAIN_COLUMNS) if col in columns]
+            lines.append(_row([f"`{run['case']}`", name, *cells]))
+    lines += [""] + [
+        f"- `{run['case']}` ({run['bound']}-bound): {run['description']}; batch "
+        f"{run['batch_size']}, {workers_label(run['workers'])}, median of "
+        f"{run['repetitions']} repetitions of {run['steps']} steps after {run['warmup']}."
+        for run in document["runs"]
+    ]
+    return lines
+
+
 # The figures section of docs/benchmarks.md, written from the JSON in benchmarks/results/
 # (`python benchmarks/report.py`), never by hand. The results folder is not kept by git:
 # the section shows whatever runs are there when it is written, and records each file's
@@ -309,10 +370,16 @@ def _kind(document: dict[str, Any]) -> str | None:
         return "throughput"
     if "conditions" in runs[0]:
         return "container"
+    if document.get("benchmark") == "train":
+        return "train"
     return None
 
 
-_RENDERERS = {"throughput": throughput_markdown, "container": container_markdown}
+_RENDERERS = {
+    "throughput": throughput_markdown,
+    "container": container_markdown,
+    "train": train_markdown,
+}
 
 
 def figures_section(results: Path = RESULTS) -> str:

@@ -275,3 +275,46 @@ def test_report_writes_a_table_for_every_kind_it_knows(report, tmp_path):
     assert "No results" in empty
     page = f"# x\n\n{report.BEGIN}\nold\n{report.END}\n\nafter\n"
     assert report.replace_section(page, section) == f"# x\n\n{section}\n\nafter\n"
+
+
+def test_report_writes_train_py_documents(report, tmp_path):
+    """benchmarks/train.py's JSON (made up here: only its shape matters) gets its table."""
+
+    def row(rate, ideal):
+        return {
+            "steps_per_s": rate,
+            "samples_per_s": rate * 256,
+            "of_ideal": rate / ideal,
+            "spread": 0.04,
+            "next_ms": 0.3,
+            "next_cpu_ms": 0.28,
+            "main_cpu_ms": 50.0,
+            "loader_bytes": 2**28,
+        }
+
+    document = bench_document()
+    document.update(
+        command=["benchmarks/train.py", "--quick"],
+        benchmark="train",
+        cores="2 cores: the training process on 1, the workers on 1",
+        runs=[
+            {
+                "case": "uint8-224/model",
+                "bound": "model",
+                "description": "uint8 3x224x224; a ConvNet",
+                "batch_size": 256,
+                "workers": 2,
+                "steps": 12,
+                "warmup": 3,
+                "repetitions": 3,
+                "rows": {"torch": row(15, 19), "shmloader": row(18.8, 19), "ideal": row(19, 19)},
+            }
+        ],
+    )
+    (tmp_path / "train.json").write_text(json.dumps(document))
+    section = report.figures_section(tmp_path)
+    assert "Cores: 2 cores: the training process on 1, the workers on 1." in section
+    assert "| `uint8-224/model` | shmloader | 18.8 | 4,813 | 99% | 4% | 0.30 | 0.28 |" in section
+    assert "GPU busy" not in section  # no figure for it off a GPU
+    header, rule = [line for line in section.splitlines() if line.startswith("|")][:2]
+    assert header.count("|") == rule.count("|")
