@@ -16,6 +16,7 @@ against torch's in the roomy /dev/shm.
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,9 @@ HERE = Path(__file__).resolve().parent
 EPOCHS = (4, 3)
 SHM_SAMPLE_INTERVAL_S = 0.005
 ROOMY = "roomy"
+# One loader's run, its epochs and its workers' start: a few tens of seconds here, when it
+# does not hang.
+RUN_LIMIT_S = 300
 
 
 class ShmUse:
@@ -134,17 +138,36 @@ def _run_child(args: dict[str, Any], shm_size: str) -> dict[str, Any]:
         str(HERE / "container.py"),
         json.dumps(args),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
-        return {
-            "failed": lines[-1],
-            "failed_in_epoch": None,
-            "epochs": [],
-            "dev_shm_peak_bytes": None,
-            "digest": [],
-        }
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # A session of its own: a loader that hangs (torch's can, when /dev/shm is full) is
+    # killed with its workers and reported as failing, and the runs after it still run.
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=HERE,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=RUN_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        return _failure(f"hung: no end within {RUN_LIMIT_S} s (killed with its workers)")
+    if process.returncode != 0:
+        lines = stderr.strip().splitlines() or [f"exit code {process.returncode}"]
+        return _failure(lines[-1])
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def _failure(why: str) -> dict[str, Any]:
+    return {
+        "failed": why,
+        "failed_in_epoch": None,
+        "epochs": [],
+        "dev_shm_peak_bytes": None,
+        "digest": [],
+    }
 
 
 def _figures(record: dict[str, Any], sample_bytes: int) -> dict[str, Any]:
