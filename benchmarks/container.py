@@ -241,7 +241,8 @@ def measure(
 def table(record: dict[str, Any]) -> str:
     def rate(r):
         if "failed" in r:
-            return f"FAILED in epoch {r['failed_in_epoch']}: {r['failed'][:70]}"
+            epoch = r["failed_in_epoch"]
+            return f"FAILED{'' if epoch is None else f' in epoch {epoch}'}: {r['failed'][:70]}"
         return f"{r['samples_per_s']:,.0f} samples/s, {r['gb_per_s']:.2f} GB/s"
 
     def shm(r):

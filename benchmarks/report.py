@@ -298,7 +298,8 @@ def _shm_failure(figs: dict[str, Any]) -> str:
 
     message = re.sub(r" for file <[^>]*>", "", figs["failed"])
     message = re.sub(r"^(\w+: )\1+", r"\1", message)  # "RuntimeError: RuntimeError: ..." once
-    return f"fails in epoch {figs['failed_in_epoch']} (`{message}`)"
+    epoch = figs["failed_in_epoch"]
+    return f"fails{'' if epoch is None else f' in epoch {epoch}'} (`{message}`)"
 
 
 def container_markdown(document: dict[str, Any]) -> list[str]:
