@@ -49,7 +49,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +62,7 @@ from torch import nn
 from workloads import make_jpeg_dataset
 
 from shmloader import DataLoader as ShmDataLoader
-from shmloader.bench.memory import psutil
+from shmloader.bench.memory import PeakSampler, psutil
 from shmloader.bench.progress import StatusLine
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "train.json"
@@ -356,29 +355,15 @@ def loader_bytes() -> int:
     return kib * 1024
 
 
-class LoaderMemory:
-    """The peak of loader_bytes() while the `with` block runs, sampled by a thread (which
-    costs the training process CPU: never during timed steps)."""
+class LoaderMemory(PeakSampler):
+    """The peak of loader_bytes() while the `with` block runs."""
 
-    def __init__(self, interval_s: float = 0.02):
+    def __init__(self):
+        super().__init__(interval_s=0.02)
         self.peak = 0
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while True:
-            self.peak = max(self.peak, loader_bytes())
-            if self._stop.wait(self._interval_s):
-                return
-
-    def __enter__(self) -> "LoaderMemory":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._stop.set()
-        self._thread.join()
+    def _take(self) -> None:
+        self.peak = max(self.peak, loader_bytes())
 
 
 @dataclass

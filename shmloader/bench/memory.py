@@ -35,29 +35,44 @@ def tree_memory() -> tuple[int, int]:
     return pss, rss
 
 
-class PeakTreeMemory:
-    """Samples tree_memory() in a thread while the `with` block runs and keeps the peaks.
-    The thread costs main-process CPU, so it never runs during a timed epoch."""
+class PeakSampler:
+    """Takes a sample (_take) in a thread while the `with` block runs, every
+    `interval_s`, keeping what a subclass keeps (its peaks). The thread costs main-process
+    CPU, so it never runs during a timed epoch."""
 
-    def __init__(self):
-        self.peak_pss = self.peak_rss = 0
+    def __init__(self, interval_s: float = MEMORY_SAMPLE_INTERVAL_S):
+        self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _take(self) -> None:
+        raise NotImplementedError
+
     def _run(self) -> None:
         while True:
-            pss, rss = tree_memory()
-            self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
-            if self._stop.wait(MEMORY_SAMPLE_INTERVAL_S):
+            self._take()
+            if self._stop.wait(self._interval_s):
                 return
 
-    def __enter__(self) -> "PeakTreeMemory":
+    def __enter__(self):
         self._thread.start()
         return self
 
     def __exit__(self, *exc_info) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class PeakTreeMemory(PeakSampler):
+    """The peaks of tree_memory() while the `with` block runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.peak_pss = self.peak_rss = 0
+
+    def _take(self) -> None:
+        pss, rss = tree_memory()
+        self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
 
 
 def peak_memory(
