@@ -2,7 +2,8 @@
 checkpoint through shmloader's ring, against the same Trainer with its own loaders.
 
 tests/trainer_driver.py trains both ways (uninterrupted, then resumed from the
-checkpoint at step 12 of 18) and writes what each model saw.
+checkpoint mid-way through the second epoch) and writes what each model saw, in one
+process and in two ranks under torchrun.
 """
 
 import json
@@ -18,28 +19,59 @@ pytestmark = [pytest.mark.integrations, pytest.mark.slow]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_trainer_trains_and_resumes_through_the_ring(tmp_path):
+def _train(tmp_path, launcher):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    done = run_job(
-        [sys.executable, "-m", "tests.trainer_driver", str(tmp_path)], 300, cwd=ROOT, env=env
-    )
+    done = run_job([*launcher, "-m", "tests.trainer_driver", str(tmp_path)], 300, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout[-6000:]
-    runs = json.load(open(tmp_path / "trainer.json"))
+    ranks = sorted(f for f in os.listdir(tmp_path) if f.startswith("trainer"))
+    return [json.load(open(tmp_path / f)) for f in ranks]
+
+
+def _check(runs):
     torch_run, shm_run = runs["torch"], runs["shm"]
-    # The same 18 batches, noise included, and so the same training.
-    assert len(shm_run["seen"]) == 18 and shm_run["seen"] == torch_run["seen"]
+    steps, resume_from = runs["steps_per_epoch"], runs["resume_from"]
+    # The same batches, noise included, and so the same training.
+    assert len(shm_run["seen"]) == 2 * steps and shm_run["seen"] == torch_run["seen"]
     assert (shm_run["loss"], shm_run["weights"]) == (torch_run["loss"], torch_run["weights"])
-    # Resumed at step 12: the Trainer's own skip and shmloader's give the same batches,
-    # the uninterrupted run's indices.
+    # Resumed mid-way through epoch 1: the Trainer's own skip and shmloader's give the same
+    # batches, the uninterrupted run's indices.
     resumed, torch_resumed = runs["shm_resumed"], runs["torch_resumed"]
     assert resumed["seen"] == torch_resumed["seen"]
-    assert [b[0] for b in resumed["seen"]] == [b[0] for b in shm_run["seen"][12:]]
-    # Every batch came from shmloader's loaders, in ring slots, options kept: resumed
-    # in the last epoch, the Trainer's loader trains nothing, its skipping one the
-    # 6 batches left.
+    assert [b[0] for b in resumed["seen"]] == [b[0] for b in shm_run["seen"][resume_from:]]
+    # Every batch came from shmloader's loaders, in ring slots, options kept: resumed in
+    # the last epoch, the Trainer's loader trains nothing, its skipping one the rest.
     assert torch_run["loaders"] == ["torch.utils.data.dataloader"]
     assert shm_run["loaders"] == ["shmloader.dataloader"]
     assert resumed["loaders"] == ["shmloader.dataloader"] * 2
     assert resumed["options"] == [1 << 16] * 2
-    assert shm_run["batches"] == shm_run["slot_batches"] == [18]
-    assert resumed["batches"] == resumed["slot_batches"] == [0, 6]
+    assert shm_run["batches"] == shm_run["slot_batches"] == [2 * steps]
+    rest = 2 * steps - resume_from
+    assert resumed["batches"] == resumed["slot_batches"] == [0, rest]
+
+
+def test_trainer_trains_and_resumes_through_the_ring(tmp_path):
+    (runs,) = _train(tmp_path, [sys.executable])
+    assert runs["world"] == 1
+    _check(runs)
+
+
+def test_two_ranks_train_and_resume_through_the_ring(tmp_path):
+    # The Trainer's set_epoch() reaches the sampler inside shmloader's loader: each epoch
+    # the ranks share every sample out anew, as with the Trainer's own loaders.
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    ranks = _train(tmp_path, [*launcher, "--nproc-per-node=2"])
+    assert [r["world"] for r in ranks] == [2, 2]
+    for runs in ranks:
+        _check(runs)
+    steps = ranks[0]["steps_per_epoch"]
+    epochs = [
+        [
+            i
+            for r in ranks
+            for batch in r["shm"]["seen"][e * steps : (e + 1) * steps]
+            for i in batch[0]
+        ]
+        for e in range(2)
+    ]
+    assert all(set(epoch) == set(range(36)) for epoch in epochs)
+    assert epochs[0] != epochs[1]  # another shuffle for epoch 1

@@ -1,8 +1,9 @@
 """transformers' Trainer fed by its own loaders and by shmloader's, trained,
 checkpointed mid-epoch, resumed: writes what each run's model saw to
-<out>/trainer.json.
+<out>/trainer<RANK>.json.
 
-    python -m tests.trainer_driver OUT   # (-m: tests/ itself is not on sys.path, its
+    python -m tests.trainer_driver OUT
+    torchrun --nproc-per-node=2 -m tests.trainer_driver OUT   # (-m: tests/ itself is not on sys.path, its
                                          # datasets.py would pass for Hugging Face datasets)
 """
 
@@ -18,10 +19,11 @@ from transformers import Trainer, TrainingArguments
 from shmloader.integrations.transformers import ShmloaderTrainer
 
 N = 36
-BATCH = 4  # 9 batches an epoch
+BATCH = 4  # per process
 EPOCHS = 2
-SAVE_STEPS = 4  # checkpoints mid-epoch (step 4, 8 in epoch 0; 12, 16 in epoch 1)
-RESUME_FROM = 12
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # (under torchrun, each rank's share)
+STEPS_PER_EPOCH = -(-N // (BATCH * WORLD))  # (the last batch padded, as Accelerate does)
+RESUME_FROM = STEPS_PER_EPOCH + 3  # the one checkpoint: mid-way through epoch 1
 SLOT_BYTES = 1 << 16  # every batch in a ring slot from the first
 
 
@@ -79,7 +81,7 @@ def run(cls, out, resume=None, **kwargs):
         per_device_train_batch_size=BATCH,
         num_train_epochs=EPOCHS,
         save_strategy="steps",
-        save_steps=SAVE_STEPS,
+        save_steps=RESUME_FROM,
         dataloader_num_workers=2,
         seed=0,
         use_cpu=True,
@@ -117,7 +119,10 @@ def main():
         results[name + "_resumed"] = run(
             cls, os.path.join(out, name + "_resumed"), resume=checkpoint, **options
         )
-    with open(os.path.join(out, "trainer.json"), "w") as f:
+    results["world"] = WORLD
+    results["steps_per_epoch"] = STEPS_PER_EPOCH
+    results["resume_from"] = RESUME_FROM
+    with open(os.path.join(out, f"trainer{os.environ.get('RANK', '0')}.json"), "w") as f:
         json.dump(results, f)
 
 
