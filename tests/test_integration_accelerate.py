@@ -150,3 +150,15 @@ def test_skip_first_batches_of_an_unprepared_loader():
     skipped = skip_first_batches(loader, 2)
     assert type(skipped) is DataLoader and skipped.num_slots == 9
     assert [b.tolist() for b in skipped] == [[16, 25], [36, 49]]
+
+
+def test_dispatched_batches_come_from_the_ring():
+    # dispatch_batches=True: Accelerate's DataLoaderDispatcher iterates the loader on the
+    # main process and hands the batches out; shmloader's loader is the one it iterates.
+    config = accelerate.DataLoaderConfiguration(dispatch_batches=True)
+    accelerator = accelerate.Accelerator(cpu=True, dataloader_config=config)
+    theirs = accelerator.prepare(torch.utils.data.DataLoader(Squares(), batch_size=2))
+    ours = prepare_data_loader(accelerator, DataLoader(Squares(), batch_size=2, num_workers=2))
+    assert type(ours) is type(theirs) is accelerate.data_loader.DataLoaderDispatcher
+    assert [b.tolist() for b in ours] == [b.tolist() for b in theirs]
+    assert ours.base_dataloader.stats().batches == 4
