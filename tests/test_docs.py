@@ -26,13 +26,6 @@ TEST_COMMAND = (
     "python -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 numpy "
     '&& pip install -e ".[test,integrations]" && python -m pytest -q tests'
 )
-# Pages other work adds (issues 27 and 28): linked already, checked like any page once they
-# exist; until then a link to them is the only kind allowed to dangle.
-PENDING = {
-    "docs/compare.md": "issue 27 (shmloader.compare)",
-    "docs/shared_list.md": "issue 28 (shmloader.SharedList)",
-}
-
 PARAMETERS = [
     name for name in inspect.signature(shmloader.DataLoader.__init__).parameters if name != "self"
 ]
@@ -94,8 +87,7 @@ def test_every_relative_link_resolves(page):
             broken.append(f"{target}: outside the repository")
             continue
         if not resolved.exists():
-            if name not in PENDING:
-                broken.append(f"{target}: no such file")
+            broken.append(f"{target}: no such file")
             continue
         if anchor:
             if resolved.suffix != ".md":
@@ -103,13 +95,6 @@ def test_every_relative_link_resolves(page):
             elif anchor not in anchors(resolved):
                 broken.append(f"{target}: {name} has no heading #{anchor}")
     assert not broken, f"{relative(page)}: " + "; ".join(broken)
-
-
-@pytest.mark.parametrize("name", sorted(PENDING))
-def test_pending_pages(name):
-    """Pages that other work adds: an expected failure until they exist."""
-    if not (ROOT / name).exists():
-        pytest.xfail(f"{name} comes with {PENDING[name]}")
 
 
 def test_readme_is_short():

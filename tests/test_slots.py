@@ -861,9 +861,15 @@ def test_every_error_path_gives_its_slot_back(path, persistent):
 
 
 def test_no_ring_no_warning_about_its_slots():
+    # Too few slots for the batches in flight is said, with workers ...
+    with pytest.warns(UserWarning, match="num_slots=1 cannot hold"):
+        DataLoader(Images(8), batch_size=4, num_workers=2, num_slots=1)
+    # ... and not without them: num_workers=0 is torch's path, with no ring to be short of.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        DataLoader(Images(8), batch_size=4, num_workers=0, num_slots=1)
+        loader = DataLoader(Images(8), batch_size=4, num_workers=0, num_slots=1)
+        batches = list(loader)
+    assert len(batches) == 2 and loader.stats().ring_slots == 0
 
 
 def _rebuilt(loader):
