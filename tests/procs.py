@@ -139,9 +139,9 @@ def describe_stuck(pids) -> str:
 
 
 def run_job(command, limit: float, **kwargs):
-    """subprocess.run(command) in a session of its own, output captured: past `limit`
-    s the whole session (a launcher, its ranks, their workers) is killed and the test
-    fails, never hangs."""
+    """subprocess.run(command) in a session of its own, output (stderr too) captured:
+    past `limit` s the whole session (a launcher, its ranks, their workers) is killed and
+    the test fails, never hangs; whatever of the session outlives the command is killed."""
     import subprocess
 
     process = subprocess.Popen(
@@ -158,4 +158,9 @@ def run_job(command, limit: float, **kwargs):
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         raise AssertionError(f"{command} did not end within {limit} s:\n{output[-4000:]}") from None
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # stragglers left in its session
+        except ProcessLookupError:
+            pass
     return subprocess.CompletedProcess(command, process.returncode, output)

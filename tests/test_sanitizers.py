@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.procs import rearm_hang_guard
+from tests.procs import rearm_hang_guard, run_job
 
 # Builds the C ring with gcc sanitizers and stresses it: deselect with -m "not sanitizers".
 pytestmark = [pytest.mark.sanitizers, pytest.mark.slow]
@@ -100,27 +99,10 @@ def _env():
 
 
 def _run(cmd, timeout):
-    """Run cmd in its own session; on timeout kill the whole group (forked producers too)."""
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_env(),
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{cmd[0]} ran past {timeout} s (a hang?); output so far:\n{out}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a failed run
-        except ProcessLookupError:
-            pass
-    return proc.returncode, out
+    """Run cmd in its own session; past `timeout` the whole group is killed (forked
+    producers too) and the test fails."""
+    done = run_job(cmd, timeout, env=_env())
+    return done.returncode, done.stdout
 
 
 @pytest.fixture(scope="module")
