@@ -40,12 +40,8 @@ _MAIN = {"_num_workers", "_sampler_iter_state", "_sampler_iter_yielded", "_base_
 _NOT_LOADING = "Start the epoch afresh instead: do not load this state into the loader."
 
 
-class _Refused(ValueError):
-    pass
-
-
-def _refuse(why: str) -> _Refused:
-    return _Refused(
+def _refuse(why: str) -> ValueError:
+    return ValueError(
         f"this is a torchdata StatefulDataLoader state, which shmloader cannot carry over: {why}. "
         + _NOT_LOADING
     )

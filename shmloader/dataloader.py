@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import inspect
 import numbers
 import os
 import sys
@@ -21,7 +22,7 @@ from ._arena import changed_collation
 from ._cuda import check_device
 from ._foreign_state import foreign_state
 from ._iterator import IterableShmLoaderIter, ShmLoaderIter
-from ._rebuild import OPTIONS, options
+from ._rebuild import options
 from ._resume import Progress, Resume, check_state, state_dict
 from ._ring import MAX_SLOTS
 from ._ring_memory import RingHandover
@@ -140,14 +141,6 @@ def _check_map_style(loader):
             "prefetch_next_epoch=True needs persistent_workers=True (and num_workers > 0): "
             "the workers that prefetch the next epoch must outlive this one."
         )
-
-
-# shmloader's options as DataLoader.__init__ defaults them.
-_OPTION_DEFAULTS = dict.fromkeys(OPTIONS) | {
-    "fetch": "batch",
-    "seed_per_sample": False,
-    "prefetch_next_epoch": False,
-}
 
 
 # Generic like torch's (DataLoader[Tensor] in annotations and subclasses).
@@ -416,10 +409,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def _is_accelerate_prepared(self) -> bool:
         if not preparing_for_ring.get() and not self.__dict__.get("_told_ring_bypassed"):
             self.__dict__["_told_ring_bypassed"] = True
+            defaults = inspect.signature(DataLoader.__init__).parameters
             changed = [
                 f"{name}={value!r}"
                 for name, value in options(self).items()
-                if value != _OPTION_DEFAULTS[name]
+                if value != defaults[name].default
             ]
             lost = f" and its options ({', '.join(changed)}) are dropped" if changed else ""
             warn(

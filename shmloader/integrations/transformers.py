@@ -26,6 +26,8 @@ from .._rebuild import OPTIONS, torch_arguments
 from ..dataloader import DataLoader
 from .accelerate import prepare_data_loader, skip_first_batches
 
+__all__ = ["ShmloaderTrainer", "ShmloaderTrainerMixin"]
+
 
 class ShmloaderTrainerMixin:
     """Put before transformers.Trainer (or a subclass of it) in the bases."""
@@ -84,9 +86,6 @@ class ShmloaderTrainerMixin:
                 del accelerator.prepare  # the class's method again
             else:
                 accelerator.prepare = own
-
-
-__all__ = ["ShmloaderTrainer", "ShmloaderTrainerMixin"]
 
 
 class ShmloaderTrainer(ShmloaderTrainerMixin, transformers.Trainer):
