@@ -6,7 +6,7 @@ thread.
     python benchmarks/train.py --quick            # the cases below, 2 workers: under 3 min
     python benchmarks/train.py                     # more steps and repetitions
     python benchmarks/train.py --device cuda       # on a GPU (see below)
-    python benchmarks/train.py --case tiny --workers 4
+    python benchmarks/train.py --case tiny/data --workers 4
 
 Cases: a workload (the samples, and what the workers do to them) and a model, chosen so
 that either the model bounds the loop (the loader must keep up and stay out of the way)
@@ -62,6 +62,7 @@ from torch import nn
 from workloads import make_jpeg_dataset
 
 from shmloader import DataLoader as ShmDataLoader
+from shmloader.bench.machine import proc_bytes
 from shmloader.bench.memory import PeakSampler, psutil
 from shmloader.bench.progress import StatusLine
 
@@ -328,17 +329,6 @@ def timed_steps(trainer: Trainer, batches, warmup: int, steps: int) -> dict[str,
     return figures
 
 
-def _kib(path: str, *fields: str) -> int:
-    """The sum of `fields` (kB lines) of a /proc file."""
-    total = 0
-    with open(path) as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name in fields:
-                total += int(rest.split()[0])
-    return total
-
-
 def loader_bytes() -> int:
     """The loader's memory: its workers' private memory (USS: what a worker alone maps,
     copies of the training process's pages it wrote included) and the shared memory
@@ -346,13 +336,13 @@ def loader_bytes() -> int:
     ring), whole. Not PSS: a forked worker shares the training process's heap (the
     model's, the ideal's batches), and PSS would charge it a share of that."""
     me = psutil.Process()
-    kib = _kib(f"/proc/{me.pid}/status", "RssShmem")
+    total = proc_bytes(f"/proc/{me.pid}/status", "RssShmem")
     for child in me.children(recursive=True):
         try:
-            kib += _kib(f"/proc/{child.pid}/smaps_rollup", "Private_Clean", "Private_Dirty")
+            total += proc_bytes(f"/proc/{child.pid}/smaps_rollup", "Private_Clean", "Private_Dirty")
         except OSError:  # a worker that exited after being listed
             continue
-    return kib * 1024
+    return total
 
 
 class LoaderMemory(PeakSampler):
@@ -364,26 +354,6 @@ class LoaderMemory(PeakSampler):
 
     def _take(self) -> None:
         self.peak = max(self.peak, loader_bytes())
-
-
-@dataclass
-class Condition:
-    """One way of feeding the loop: a loader (made once, persistent workers), or the ideal."""
-
-    name: str
-    source: Callable[[], Any]  # a fresh iterator over the run's batches
-
-    def batches(self):
-        return self.source()
-
-
-def ideal_source(batches: list, device: torch.device) -> Callable[[], Any]:
-    on_device = [tuple(t.to(device) for t in b) for b in batches]
-    return lambda: iter(on_device)
-
-
-def loader_source(loader) -> Callable[[], Any]:
-    return lambda: iter(loader)
 
 
 def same(a, b) -> bool:
@@ -425,8 +395,11 @@ def run_case(case: Case, args, scratch: Path, status: StatusLine) -> dict[str, A
     if not all(same(a, b) for a, b in zip(reference, check)) or len(check) != len(reference):
         raise SystemExit(f"{case.name}: shmloader's batches differ from torch's")
     del check
-    conditions = [Condition(name, loader_source(ld)) for name, ld in loaders.items()]
-    conditions.append(Condition("ideal", ideal_source(reference, device)))
+    # Each way of feeding the loop, as a fresh iterator over the run's batches (a loader
+    # made once, persistent workers; the ideal's batches already on the device).
+    on_device = [tuple(t.to(device) for t in b) for b in reference]
+    conditions = {name: (lambda ld=ld: iter(ld)) for name, ld in loaders.items()}
+    conditions["ideal"] = lambda: iter(on_device)
 
     torch.manual_seed(SEED)
     trainer = Trainer(case.make_model(), device, non_blocking=cuda)
@@ -434,18 +407,13 @@ def run_case(case: Case, args, scratch: Path, status: StatusLine) -> dict[str, A
     # The model's first steps are slower for a while (the allocator's thresholds settle as
     # its large blocks come and go): untimed, on the ideal's batches, before any condition.
     status(f"{case.name}: warming the model up")
-    timed_steps(
-        trainer,
-        itertools.islice(itertools.cycle(conditions[-1].batches()), 10**9),
-        0,
-        2 * warmup + 4,
-    )
-    samples: dict[str, list[dict[str, float]]] = {c.name: [] for c in conditions}
+    timed_steps(trainer, itertools.cycle(on_device), 0, 2 * warmup + 4)
+    names = list(conditions)
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for rep in range(reps):
-        order = conditions[rep % len(conditions) :] + conditions[: rep % len(conditions)]
-        for condition in order:
-            status(f"{case.name}: {condition.name}, repetition {rep + 1} of {reps}")
-            samples[condition.name].append(timed_steps(trainer, condition.batches(), warmup, steps))
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            status(f"{case.name}: {name}, repetition {rep + 1} of {reps}")
+            samples[name].append(timed_steps(trainer, conditions[name](), warmup, steps))
     # Memory: each way of feeding alone (a fresh loader, no other's workers alive), its
     # peak sampled by a thread, which would cost the timed steps CPU.
     del loaders, conditions

@@ -22,7 +22,7 @@ def machine() -> dict[str, Any]:
         "cores": len(os.sched_getaffinity(0)),
         "cpu_count": os.cpu_count(),
         "cpu_model": _cpu_model(),
-        "memory_bytes": _meminfo_bytes("MemTotal"),
+        "memory_bytes": proc_bytes("/proc/meminfo", "MemTotal"),
         "dev_shm_bytes": _dev_shm_bytes(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -76,10 +76,16 @@ def _cpu_model() -> str | None:
         )
 
 
-def _meminfo_bytes(field: str) -> int:
-    with open("/proc/meminfo") as f:
-        line = next(line for line in f if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024  # /proc/meminfo counts in KiB
+def proc_bytes(path: str, *fields: str) -> int:
+    """The sum of `fields` of a /proc file that counts in kB (/proc/meminfo,
+    /proc/PID/status, /proc/PID/smaps_rollup), in bytes."""
+    total = 0
+    with open(path) as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in fields:
+                total += int(rest.split()[0])
+    return total * 1024
 
 
 def _dev_shm_bytes() -> int | None:
