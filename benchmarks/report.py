@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shmloader.bench.figures import LIMIT  # noqa: F401  (charts.py reads it here)
+from shmloader.bench.limit import LIMIT  # noqa: F401  (charts.py reads it here)
 from shmloader.bench.machine import machine_line
 from shmloader.bench.record import (
     head,

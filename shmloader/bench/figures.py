@@ -6,6 +6,7 @@ import dataclasses
 import statistics
 from typing import TYPE_CHECKING, Any, cast
 
+from .limit import LIMIT
 from .measure import Epoch
 
 if TYPE_CHECKING:
@@ -14,7 +15,6 @@ if TYPE_CHECKING:
     from .session import Measurement
 
 REFERENCE = "torch"
-LIMIT = "limit"  # the transport-free limit's name in epochs, records and charts
 # Figures compared as (loader / torch): above 1 is better for throughput, worse for the rest.
 RATIO_FIGURES = ("samples_per_s", "gb_per_s", "cpu_s_per_batch", "first_batch_s")
 # Memory figures compared as (loader / torch), where both were measured.

@@ -37,6 +37,7 @@ from .._ring_memory import SHM_DIR
 from .errors import BenchmarkError
 from .measure import Epoch, Spec, consume
 
+LIMIT = "limit"  # the transport-free limit's name in epochs, records and charts
 ALIGN = 64  # bytes: each leaf starts on a cache line, as in shmloader's slots
 
 

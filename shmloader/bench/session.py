@@ -19,8 +19,7 @@ from typing import Any, Callable
 
 from .check import EXACT, Check, first_epoch_check
 from .errors import BenchmarkError
-from .figures import LIMIT
-from .limit import TransportFreeLimit
+from .limit import LIMIT, TransportFreeLimit
 from .measure import Epoch, first_batch_s, interleaved, timed_epoch
 from .memory import peak_memory
 
