@@ -42,7 +42,7 @@ from shmloader.bench.figures import measurement_figures, ratios
 from shmloader.bench.progress import StatusLine
 
 LOADERS = ("torch", "shmloader")  # torch first: it is the reference the others are checked against
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "throughput.json"
+DEFAULT_OUT = report.RESULTS / "throughput.json"
 # (full run, --quick): timed epochs per loader, and fresh loaders timed to first batch.
 REPS = (7, 3)
 FIRST_BATCH_REPS = (5, 3)

@@ -44,7 +44,7 @@ from shmloader.bench.measure import Spec, consume, first_batch_s, interleaved, t
 from shmloader.bench.progress import StatusLine
 
 WORKERS = 2
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "features.json"
+DEFAULT_OUT = report.RESULTS / "features.json"
 SAMPLE_COST_PROBES = 64  # jpeg samples whose CPU time in this process gives the cost per sample
 
 

@@ -13,7 +13,6 @@ between loaders; figures are medians. Results go to results/gpu.json.
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from workloads import PRESETS
 
 import shmloader
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu.json"
+DEFAULT_OUT = report.RESULTS / "gpu.json"
 WORKERS = 2
 REPS = (5, 3)  # (full, --quick) timed epochs per loader
 
@@ -111,8 +110,7 @@ def main(argv=None) -> None:
                 f"({f['fraction_of_pinned_copy']:.0%} of pinned copy)  {f['vs_torch']:.2f}x torch  "
                 f"main CPU {f['cpu_ms_per_batch']:.2f} ms/batch"
             )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=2))
+    report.write_json(document, args.out)
     print(f"\nfigures written to {args.out}")
 
 

@@ -35,7 +35,7 @@ from torch.utils.data import Dataset
 import shmloader
 from shmloader.bench.measure import batch_spec, interleaved, timed_epoch
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "main_cpu.json"
+DEFAULT_OUT = report.RESULTS / "main_cpu.json"
 WORKERS = 2
 BATCH_SIZE = 64
 INTERVALS_MS = (0.0, 0.5, 5.0, 25.0)  # target time between batches

@@ -14,7 +14,6 @@ recording a yielded batch. The figures go to results/resume_cost.json.
 
 import argparse
 import io
-import json
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from workloads import PRESETS
 import shmloader
 from shmloader._resume import Progress, worker_snapshot
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "resume_cost.json"
+DEFAULT_OUT = report.RESULTS / "resume_cost.json"
 WORKERS = 2
 
 
@@ -104,9 +103,8 @@ def main(argv=None) -> None:
             f"{f['state_dict_max_us']:>7.0f} us{f['state_bytes']:>10} B"
             f"{f['worker_ms_per_batch']:>17.2f}{f['snapshot_share']:>16.2%}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     document.update(worker_snapshot_us=snapshot_us, record_batch_us=record_us, presets=rows)
-    args.out.write_text(json.dumps(document, indent=2))
+    report.write_json(document, args.out)
     print(f"\nfigures written to {args.out}")
 
 

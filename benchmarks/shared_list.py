@@ -1,6 +1,6 @@
 """What a SharedList index saves forked workers (pytorch issue 13246), and what it costs.
 
-    python benchmarks/shared_list.py [--entries 2000000] [--workers 2] [--json PATH]
+    python benchmarks/shared_list.py [--entries 2000000] [--workers 2] [--out PATH]
 
 The index: `--entries` ImageFolder-style (path, class) tuples, 1000 classes, paths like
 "/data/imagenet21k/train/n00000123/n00000123_246000.JPEG".  Three figures:
@@ -18,6 +18,8 @@ The index: `--entries` ImageFolder-style (path, class) tuples, 1000 classes, pat
 3. sl[i] against list[i]: CPU time per call over 1 M shuffled indices (the order an
    epoch reads in), the best of 5 rounds.  CPU, not wall, time: on a shared machine a
    wall clock counts time other processes ran.
+
+The figures go to results/shared_list.json.
 """
 
 import argparse
@@ -30,8 +32,10 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import psutil
+import report
 import torch
 
 import shmloader
@@ -41,6 +45,7 @@ LOADERS = {"torch": torch.utils.data.DataLoader, "shmloader": shmloader.DataLoad
 CLASSES = 1000
 BATCH_SIZE = 1000
 MIB = 1 << 20
+DEFAULT_OUT = report.RESULTS / "shared_list.json"
 
 
 def make_index(entries: int) -> list:
@@ -164,7 +169,7 @@ def run_epoch_in_fresh_process(loader: str, kind: str, args) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def report(figures: dict) -> None:
+def print_figures(figures: dict) -> None:
     build = figures["build"]
     content, segment = build["content_bytes"], build["segment_bytes"]
     peak = segment + build["build_heap_peak_bytes"]
@@ -205,7 +210,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--entries", type=int, default=2_000_000)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
         "--one-epoch", nargs=2, metavar=("LOADER", "INDEX"), help=argparse.SUPPRESS
     )  # a fresh process's single run
@@ -213,12 +218,9 @@ def main() -> None:
     if args.one_epoch:
         print(json.dumps(epoch_growth(*args.one_epoch, args.entries, args.workers)))
         return
-    figures = {
-        "entries": args.entries,
-        "workers": args.workers,
-        "load_before": os.getloadavg()[0],
-        "epochs": [],
-    }
+    figures = report.new_document(
+        entries=args.entries, workers=args.workers, load_before=os.getloadavg()[0], epochs=[]
+    )
     for loader in LOADERS:
         for kind in ("list", "SharedList"):
             row = run_epoch_in_fresh_process(loader, kind, args)
@@ -227,10 +229,9 @@ def main() -> None:
     figures["build"] = build_cost(index)
     figures["getitem"] = getitem_cost(index)
     figures["load_after"] = os.getloadavg()[0]
-    report(figures)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    print_figures(figures)
+    report.write_json(figures, args.out)
+    print(f"\nfigures written to {args.out}")
 
 
 if __name__ == "__main__":

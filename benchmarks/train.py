@@ -66,7 +66,7 @@ from shmloader.bench.machine import proc_bytes
 from shmloader.bench.memory import PeakSampler, psutil
 from shmloader.bench.progress import StatusLine
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "train.json"
+DEFAULT_OUT = report.RESULTS / "train.json"
 SEED = 0
 POOL = 8  # distinct source samples each workload clones from
 # (full, --quick): warm-up steps, timed steps, repetitions per condition, memory-pass steps
