@@ -24,6 +24,7 @@ from pickle import PicklingError
 from torch.utils.data._utils import signal_handling
 
 from . import _one_off, _torch_api
+from ._errors import WorkerDied
 from ._protocol import EXIT, NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT, RingFds, from_worker
 from ._ring_memory import address_space_limit
 from ._warn import warn_as_torch_worker_start
@@ -45,10 +46,6 @@ def _out_of_fds(error: Exception) -> bool:
     if isinstance(error, OSError):
         return error.errno in (errno.EMFILE, errno.ENFILE)
     return isinstance(error, RuntimeError) and "items of ancdata" in str(error)
-
-
-class WorkerDied(RuntimeError):
-    """A worker process exited while the main process was waiting for it."""
 
 
 def _exit_description(process) -> str:

@@ -11,6 +11,7 @@ import weakref
 from dataclasses import dataclass
 
 from . import _fork, _memory
+from ._errors import SharedMemoryError
 from ._ring import CLAIMED, Ring
 from ._sample_layout import SampleLayout
 
@@ -18,10 +19,6 @@ SHM_DIR = "/dev/shm"  # only where memfd_create is refused (see create_ring)
 # Optional cap, in bytes, on one ring's shared memory: a ring that would be
 # larger fails at start.
 LIMIT_ENV = "SHMLOADER_SHM_LIMIT"
-
-
-class SharedMemoryError(RuntimeError):
-    """The ring does not fit in shared memory."""
 
 
 # What to do about memory that is short, in every such message.

@@ -37,11 +37,8 @@ from torch.utils.data._utils.collate import (
 
 from . import _layout
 from ._arena import aligned
+from ._errors import SampleLayoutError
 from ._ring import copy_stream
-
-
-class SampleLayoutError(RuntimeError):
-    """A sample does not fit the batch layout the first sample fixed."""
 
 
 class _Field:

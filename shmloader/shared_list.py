@@ -40,7 +40,8 @@ from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import ClassVar
 
 from . import _memory
-from ._ring_memory import SHM_DIR, SharedMemoryError
+from ._errors import SharedMemoryError
+from ._ring_memory import SHM_DIR
 
 _MAGIC = b"shmlist1"
 _HEADER = struct.Struct("=8sQQ")  # magic, entry count, data bytes
