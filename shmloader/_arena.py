@@ -31,6 +31,7 @@ from torch.utils.data._utils.collate import (
 
 from . import _layout
 from ._ring import copy_stream
+from ._slot_rules import copies_as_row, stacks_into_slot
 
 ALIGN = 64  # cache line; also a multiple of every dtype's itemsize
 
@@ -264,22 +265,7 @@ def streams_rows(batch) -> bool:
     """Whether a batch of tensors is stacked row by row with non-temporal
     stores: rows that large, each a plain copy of the first one's layout."""
     elem = batch[0]
-    return elem.nbytes >= STREAM_ROW_BYTES and all(plain_like(t, elem) for t in batch)
-
-
-def plain_like(t, elem) -> bool:
-    """A row a raw byte copy stacks exactly as torch.stack would."""
-    return (
-        type(t) is torch.Tensor
-        and t.layout == torch.strided
-        and t.device.type == "cpu"
-        and t.dtype == elem.dtype
-        and t.shape == elem.shape
-        and t.is_contiguous()
-        and not t.requires_grad
-        and not t.is_conj()
-        and not t.is_neg()
-    )
+    return elem.nbytes >= STREAM_ROW_BYTES and all(copies_as_row(t, elem) for t in batch)
 
 
 class Measure:
@@ -368,9 +354,7 @@ class SlotCollate:
 
     def _collate_tensor(self, batch, *, collate_fn_map=None):
         elem = batch[0]
-        # (torch's collate raises for a conjugate or negative view first in a
-        # worker, at elem.new(storage), where a stack into the slot would not.)
-        if not _layout.is_slot_tensor(elem) or elem.is_conj() or elem.is_neg():
+        if not stacks_into_slot(elem):
             return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
         try:
             return torch.stack(batch, 0) if self.arena is None else self.arena.stack(batch)

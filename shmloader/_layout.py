@@ -9,8 +9,8 @@ of the slot, except small leaves that share their bytes with no other leaf
 (labels, ids, boxes: at most SMALL_LEAF_BYTES), which are copied out as they
 arrive, as cheaply as a view is made: kept (a list of labels for a metric,
 say), they would otherwise hold a whole slot each.  Which leaves go into the
-slot, and how, is the placer's business (see _arena.py); this module only
-knows the reference format.
+slot is decided in _slot_rules.py (NOTE [slot rules]), where in it by the
+placer (see _arena.py); this module only knows the reference format.
 
 The metadata is two pickles: first the slot references of the batch's leaves,
 in the order the batch's pickling met them, then the batch itself, each of its
@@ -37,6 +37,8 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import torch
 
+from ._slot_rules import QUANTIZED, is_slot_ndarray, is_slot_tensor
+
 TENSOR = "t"
 NDARRAY = "n"
 # Leaves up to this size (and alone on their bytes) are copied out of the slot.
@@ -44,49 +46,6 @@ SMALL_LEAF_BYTES = 16384
 # numpy's unpickling copies an array of up to this many bytes (it then owns its
 # data); a larger one keeps the pickle's bytes as its base.
 NUMPY_OWNS_UP_TO = 1000
-
-# A quantized dtype over raw bytes is a tensor with no quantizer: reading it
-# segfaults inside torch.  is_slot_tensor never places one, so a reference
-# naming one is corrupt.
-_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
-
-
-def _has_no_typed_storage(dtype) -> bool:
-    try:
-        torch._utils._element_size(dtype)
-    except TypeError:
-        return True
-    return False
-
-
-# Dtypes a slot never holds, so that they take torch's own paths, failing or
-# working as torch's do: bit and sub-byte dtypes (bits8, uint4, ...), whose
-# shared storage torch's default collate cannot make (a TypeError), and the
-# quantized ones, even over plain bytes (t.view(torch.quint8)).
-_NOT_IN_SLOTS = _QUANTIZED | frozenset(
-    dtype
-    for dtype in vars(torch).values()
-    if isinstance(dtype, torch.dtype) and _has_no_typed_storage(dtype)
-)
-
-
-def is_slot_tensor(obj) -> bool:
-    """A tensor whose bytes can live in a slot: plain, dense, strided, CPU,
-    of a plain dtype torch's collate can stack."""
-    return (
-        type(obj) is torch.Tensor
-        and obj.layout == torch.strided
-        and obj.device.type == "cpu"
-        and not obj.is_nested
-        and not obj.is_quantized
-        and not obj.is_meta
-        and obj.dtype not in _NOT_IN_SLOTS
-    )
-
-
-def is_slot_ndarray(obj) -> bool:
-    """A numpy array of plain numbers (no objects), which a slot can hold."""
-    return type(obj) is np.ndarray and not obj.dtype.hasobject
 
 
 def tensor_ref(
@@ -274,7 +233,7 @@ class _LeafMaker:
         kind = ref[0]
         if kind == TENSOR:
             _, offset, dtype, shape, stride, count, requires_grad, storage = ref
-            if type(dtype) is not torch.dtype or dtype in _QUANTIZED:
+            if type(dtype) is not torch.dtype or dtype in QUANTIZED:
                 raise pickle.UnpicklingError(f"slot reference {ref!r} has no plain dtype")
             if offset % dtype.itemsize:  # a misaligned view: vector loads would fault
                 raise pickle.UnpicklingError(f"slot reference {ref!r} is not aligned")

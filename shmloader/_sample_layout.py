@@ -39,6 +39,7 @@ from . import _layout
 from ._arena import aligned
 from ._errors import SampleLayoutError
 from ._ring import copy_stream
+from ._slot_rules import collate_may_refuse
 
 
 class _Field:
@@ -89,40 +90,6 @@ def _leaf_spec(leaf):
     if isinstance(leaf, float):
         return torch.float64, ()
     return torch.tensor([leaf]).dtype, ()  # int: int64, or bool for a bool
-
-
-# Dtypes torch.stack batches like any other; a tensor of another dtype (bits,
-# sub-byte, ...) or layout goes through torch's own collate once first.
-_PLAIN_DTYPES = {
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint16,
-    torch.uint32,
-    torch.uint64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-    torch.complex128,
-}
-
-
-def _unusual(leaf) -> bool:
-    """Whether torch's worker collate might refuse this tensor leaf: running it
-    on every first sample would cost a shared-memory segment (milliseconds in
-    a fresh worker) on the path to the first batch."""
-    return isinstance(leaf, torch.Tensor) and not (
-        leaf.layout == torch.strided
-        and leaf.dtype in _PLAIN_DTYPES
-        and not leaf.is_nested
-        and not leaf.is_conj()
-        and not leaf.is_neg()
-    )
 
 
 def _leaf_kind(leaf) -> str:
@@ -263,7 +230,7 @@ class SampleLayout:
     def __init__(self, sample, capacity: int):
         structure, leaves = _flatten(sample)
         for leaf in leaves:
-            if _unusual(leaf):
+            if collate_may_refuse(leaf):
                 default_collate([leaf])  # a leaf torch cannot batch fails with torch's error
         fields = [_leaf_spec(leaf) for leaf in leaves]
         self.kinds = [_leaf_kind(leaf) for leaf in leaves]

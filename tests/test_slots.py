@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmloader import DataLoader, SharedMemoryError, _layout
+from shmloader import DataLoader, SharedMemoryError, _layout, _slot_rules
 from tests import datasets as D
 from tests.datasets_lifecycle import Buckets, Images
 from tests.procs import wait_gone
@@ -749,6 +749,20 @@ def test_stacking_into_slot_matches_torch_stack(kind):
             assert w == g
         else:
             assert w.dtype == g.dtype and torch.equal(w.resolve_conj(), g.resolve_conj())
+
+
+def test_dtypes_that_stack_as_any_other_are_dtypes_a_slot_holds():
+    """NOTE [slot rules]: fetch="sample" writes a leaf of a plain dtype straight into its row,
+    so each of them must be a dtype a slot holds; the slot holds rarer ones too."""
+    for dtype in _slot_rules.PLAIN_DTYPES:
+        assert _slot_rules.is_slot_tensor(torch.zeros(2, dtype=dtype)), dtype
+    assert not _slot_rules.is_slot_tensor(torch.zeros(2, dtype=torch.float32).to_sparse())
+    assert not any(
+        _slot_rules.collate_may_refuse(torch.zeros(2, dtype=dtype))
+        for dtype in _slot_rules.PLAIN_DTYPES
+    )
+    rare = torch.zeros(2, dtype=torch.float8_e4m3fn)  # torch's collate decides on it first
+    assert _slot_rules.is_slot_tensor(rare) and _slot_rules.collate_may_refuse(rare)
 
 
 def test_shm_limit_env_simulates_small_dev_shm(monkeypatch):
