@@ -18,7 +18,7 @@ the first batch), and memory on a fresh persistent loader over a few epochs (its
 what is left between epochs: does it stay flat?), one loader at a time. This script only
 chooses the runs: the measuring is shmloader/bench/session.py's, which
 `python -m shmloader.compare` runs on a user's dataset too. Every run's figures go to one
-JSON file, with the charts next to it (see charts.py).
+JSON file, with the charts next to it (see shmloader/bench/plot.py).
 See docs/benchmarks.md for what the figures mean.
 """
 
@@ -30,14 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import charts
 import container
 import report
 import torch.utils.data
-from workloads import FAMILIES, PRESETS, SEED, WORKLOADS, Preset
+from workloads import FAMILIES, PRESETS, SEED, SIZE_SWEEP, WORKLOADS, Preset
 
-from shmloader.bench import session
-from shmloader.bench.errors import BenchmarkError
+from shmloader.bench import plot, session
+from shmloader.bench.errors import BenchmarkError, InputError
 from shmloader.bench.figures import measurement_figures, ratios
 from shmloader.bench.progress import StatusLine
 
@@ -278,10 +277,12 @@ def main(argv: list[str] | None = None) -> None:
     if len(runs) > 1:
         print(report.summary(document["runs"]) + "\n")
     print(f"figures written to {args.out}")
-    if not charts.AVAILABLE:
-        print("no chart: matplotlib is not installed (pip install -e '.[bench]')")
+    try:
+        paths = plot.write_throughput(document, args.out, SIZE_SWEEP)
+    except InputError as error:  # the charts are optional: the table and the JSON are not
+        print(f"no chart: {error}")
         return
-    for path in charts.write(document, args.out):
+    for path in paths:
         print(f"chart written to {path}")
 
 

@@ -6,13 +6,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shmloader.bench.limit import LIMIT  # noqa: F401  (charts.py reads it here)
+from shmloader.bench.limit import LIMIT
 from shmloader.bench.machine import machine_line
 from shmloader.bench.record import (
     head,
     write_json,  # noqa: F401  (the scripts write through report)
 )
-from shmloader.bench.verdict import aligned
+from shmloader.bench.verdict import aligned, workers_label
 
 
 def new_document(**fields: Any) -> dict[str, Any]:
@@ -22,10 +22,6 @@ def new_document(**fields: Any) -> dict[str, Any]:
     document = {**head(sys.argv), **fields}
     print(machine_line(document["machine"]) + "\n")
     return document
-
-
-def workers_label(workers: int) -> str:
-    return f"{workers} worker{'' if workers == 1 else 's'}"
 
 
 @dataclasses.dataclass(frozen=True)

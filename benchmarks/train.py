@@ -54,7 +54,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import charts
 import report
 import torch
 import torch.utils.data
@@ -62,6 +61,8 @@ from torch import nn
 from workloads import make_jpeg_dataset
 
 from shmloader import DataLoader as ShmDataLoader
+from shmloader.bench import plot
+from shmloader.bench.errors import InputError
 from shmloader.bench.machine import proc_bytes
 from shmloader.bench.memory import PeakSampler, psutil
 from shmloader.bench.progress import StatusLine
@@ -506,8 +507,11 @@ def main(argv: list[str] | None = None) -> int:
             status.clear()
             print(report.train_table(document["runs"][-1]) + "\n", flush=True)
     report.write_json(document, args.out)
-    written = charts.write_train(document, args.out)
-    print(f"{split}\nwrote {args.out}" + "".join(f", {p}" for p in written))
+    try:
+        chart = f", {plot.write_train(document, args.out)}"
+    except InputError as error:  # the chart is optional: the table and the JSON are not
+        chart = f"; no chart: {error}"
+    print(f"{split}\nwrote {args.out}{chart}")
     return 0
 
 

@@ -10,8 +10,9 @@
     figures    medians and ratios from what session measured
     machine    the machine and versions; record: the JSON record around the figures
     progress   status line and progress bar on stderr
-    factory, preflight, verdict, plot: compare's command line, its checks of a dataset
-               before any loader starts, its table and conclusion, its chart
+    factory, preflight, verdict: compare's command line, its checks of a dataset before
+               any loader starts, its table and conclusion
+    plot       the charts: compare's, and those of benchmarks/bench.py and train.py
     errors     how a measurement fails; the bench extra (psutil, pillow, matplotlib)
 
 Nothing is imported here, and the bench extra's packages only where they are used, so

@@ -168,3 +168,7 @@ def aligned(rows: list[list[str]]) -> list[str]:
         ).rstrip()
         for row in rows
     ]
+
+
+def workers_label(workers: int) -> str:
+    return f"{workers} worker{'' if workers == 1 else 's'}"
