@@ -1,34 +1,111 @@
-"""Receiving: results from every worker, by ring slot or by pipe, in each
-worker's order (see _collect); a batch unpacked from its slot into tensor
-views, or from a one-off segment; pinning as torch's pin thread does.  A
-mixin of ShmLoaderIter (_iterator.py), whose state it shares."""
+"""The receiver: results from every worker, by ring slot or by pipe, in each
+worker's order (see collect), kept until the iterator takes them; the
+errors of fetch="sample" rows, joined to their slot."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from multiprocessing.connection import wait as wait_fds
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch._utils import ExceptionWrapper
-from torch.utils.data import _utils
-
-from . import _layout
-from ._iter_state import IterState
-from ._protocol import NO_RING, RING_FULL, Error
+from ._protocol import Error
 from ._ring import SlotLease
-from ._ring_memory import reserve_in_background
+
+if TYPE_CHECKING:
+    from ._iter_ring import RingKeeper
+    from ._pool import WorkerPool
+    from ._protocol import RowError
+    from ._stats import Counters
+
+# An arrival: (task id, result), or (None, a worker's Resumed answer).
+Arrival = tuple[int | None, Any]
 
 
-class Receiving(IterState):
-    """ShmLoaderIter's results: see this module's docstring."""
+class Receiver:
+    """Arrived results, in the order the iterator may take them: see this
+    module's docstring."""
 
-    def _next_arrival(self):
-        """(task_id, payload) of the next result from any worker, or
-        (None, Resumed); sleeps until one comes, a worker dies, or the
-        timeout passes."""
+    def __init__(
+        self,
+        *,
+        ring_keeper: RingKeeper,
+        pool: WorkerPool,
+        counters: Counters,
+        timeout: float,
+        in_order: bool,
+    ) -> None:
+        self._keeper = ring_keeper
+        self._pool = pool
+        self.counters = counters  # the loader's (a copy.copy of it may take over)
+        self._timeout = timeout
+        self._in_order = in_order
+        self._arrivals: deque[Arrival] = deque()
+        self._row_errors: dict[int, dict[int, RowError]] = {}  # task id -> {row: its error}
+
+    def next(self) -> Arrival:
+        """The next result from any worker; sleeps until one comes, a worker
+        dies, or the timeout passes."""
         while not self._arrivals:
             self._collect()
         return self._arrivals.popleft()
+
+    def next_of_epoch(self, epoch_base: int) -> tuple[int, Any]:
+        """(epoch index, result) of the next result of the epoch whose first
+        task is `epoch_base`; an earlier epoch's are dropped."""
+        while True:
+            task_id, payload = self.next()
+            if task_id is not None and task_id >= epoch_base:
+                return task_id - epoch_base, payload
+            discard(payload)
+
+    def take(self, task_id: int) -> Any:
+        """The result of task_id, once it arrives; those that come before it
+        (results of tasks sent earlier) are taken first again later."""
+        earlier: list[Arrival] = []
+        while True:
+            arrived, payload = self.next()
+            if arrived == task_id:
+                self._arrivals.extendleft(reversed(earlier))
+                return payload
+            earlier.append((arrived, payload))
+
+    def drop_earlier(self, count: int, epoch_base: int) -> None:
+        """Wait for `count` results of tasks before epoch_base (an epoch
+        broken off) and drop them; the later ones that come meanwhile are
+        taken first again later."""
+        kept = []
+        while count:
+            task_id, payload = self.next()
+            if task_id is not None and task_id < epoch_base:
+                discard(payload)
+                count -= 1
+            else:
+                kept.append((task_id, payload))
+        self._arrivals.extendleft(reversed(kept))
+
+    def resumed(self, num_workers: int) -> list[tuple[int, Any]]:
+        """(worker_id, RNG state) of each worker's answer to a Resume,
+        dropping the old epoch's results (a worker computes the old tasks
+        still queued before the resume, as torch's do, so that the RNG draws
+        match).  Every worker published or gave up its old tasks before it
+        answered: what is left arrived with the answers and is stale too,
+        and is dropped, so that its slots are free before the new epoch
+        claims any."""
+        answers: list[tuple[int, Any]] = []
+        while len(answers) < num_workers:
+            task_id, payload = self.next()
+            if task_id is None:
+                answers.append((payload.worker_id, payload.rng_state))
+            else:
+                discard(payload)
+        self.drop_all()
+        return answers
+
+    def drop_all(self) -> None:
+        """Drop every result that arrived and was not taken."""
+        while self._arrivals:
+            discard(self._arrivals.popleft()[1])
 
     def _collect(self) -> None:
         """Move every result that has arrived, by ring or by pipe, into
@@ -43,10 +120,10 @@ class Receiving(IterState):
         reading messages (to include those published before them) may hold
         one published after a message not read yet, which then overtakes it.
         (So a resume's replay knows batches by their task numbers, not their
-        order: see _resume_epoch.  in_order=True puts results in task order
-        anyway: there the pipes are read as the sleep found them, sparing a
-        poll() per batch.)"""
-        ring = self._ring
+        order: see ShmLoaderIter._resume_epoch.  in_order=True puts results
+        in task order anyway: there the pipes are read as the sleep found
+        them, sparing a poll() per batch.)"""
+        ring = self._keeper.ring
         leases = self._acquire_all()
         fired: list[Any] | None
         if ring is not None and leases:
@@ -59,35 +136,36 @@ class Receiving(IterState):
                 fired = ring.wait(timeout, self._pool.wait_fds)
             else:
                 fired = _wait_fds(self._pool.wait_fds, timeout) or None
-            self._counters.wait_seconds += time.perf_counter() - started
+            self.counters.wait_seconds += time.perf_counter() - started
             if fired is None:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
             leases = self._acquire_all()  # what the sleep ended for
             if ring is not None and leases and not self._in_order:
                 fired = ring.wait(0, self._pool.wait_fds) or []
         messages = self._pool.receive(fired)
-        arrivals = [(lease.seq, lease) for lease in leases]
+        arrivals: list[Arrival | None] = [(lease.seq, lease) for lease in leases]
         for worker_id, msg in messages:
             arrivals.append(self._accept(worker_id, msg))
         if messages:  # slots published before those messages
             arrivals.extend((lease.seq, lease) for lease in self._acquire_all())
-        more: list[tuple[int | None, Any]] = []  # messages read while waiting for row errors
+        more: list[Arrival] = []  # messages read while waiting for row errors
         # Only a fetch="sample" slot with failed rows needs more than passing on.
-        arrivals = [
-            self._with_row_errors(a, more) if _kind(a[1]) == "slot" and a[1].failed_rows else a
+        complete = [
+            self._with_row_errors(a, more) if kind(a[1]) == "slot" and a[1].failed_rows else a
             for a in arrivals
             if a is not None
         ]
-        arrivals += more
-        arrivals.sort(key=lambda a: -1 if a[0] is None else a[0])
-        self._arrivals.extend(arrivals)
+        complete += more
+        complete.sort(key=lambda a: -1 if a[0] is None else a[0])
+        self._arrivals.extend(complete)
 
-    def _with_row_errors(self, arrival, more):
+    def _with_row_errors(self, arrival: Arrival, more: list[Arrival]) -> Arrival:
         """A fetch="sample" slot with failed rows becomes the error of its
         first failed row, a failed fetch before a failed write (torch fetches
         every sample before it collates).  Each row's error was sent before
         that row counted as done, so all of them are in the pipes by now."""
         task_id, payload = arrival
+        assert task_id is not None  # (a slot's)
         errors = self._row_errors.setdefault(task_id, {})
         while len(errors) < payload.failed_rows:
             # The pipes only: the ring would wake this at once for any READY slot.
@@ -101,151 +179,28 @@ class Receiving(IterState):
         first = min(errors, key=lambda row: (errors[row].collating, row))
         return task_id, Error._make(Error.wire(task_id, errors[first].wrapper, None))
 
-    def _acquire_all(self):
+    def _acquire_all(self) -> list[SlotLease]:
         leases = []
-        if self._ring is not None:
-            while (lease := self._ring.acquire()) is not None:
+        ring = self._keeper.ring
+        if ring is not None:
+            while (lease := ring.acquire()) is not None:
                 leases.append(lease)
         return leases
 
-    def _accept(self, worker_id, msg):
-        """The arrival (task_id or None, msg) for a worker's pipe message (a
-        record of _protocol.py), or None for a row's error (kept until its
-        slot arrives)."""
-        kind = msg.kind
-        if kind == "resumed":
+    def _accept(self, worker_id: int, msg: Any) -> Arrival | None:
+        """The arrival for a worker's pipe message (a record of
+        _protocol.py), or None for a row's error (kept until its slot
+        arrives)."""
+        msg_kind = msg.kind
+        if msg_kind == "resumed":
             return None, msg
-        if kind == "row_error":
+        if msg_kind == "row_error":
             self._row_errors.setdefault(msg.task_id, {})[msg.row] = msg
             return None
-        needed = msg.slot_bytes_needed if kind == "batch" or kind == "segment" else 0
-        if needed:  # measured: only with slot_bytes=None (see WorkerConfig)
-            # The first batch sizes the ring, with headroom for batches that
-            # vary a little.  The ring is made at the next next() call, so
-            # that its prefaulting does not delay this batch; until then the
-            # largest batch that arrived counts (a later batch may arrive
-            # before the first one, and be smaller).  A batch that does not
-            # fit the ring made since (it spilled, or was sent before the ring
-            # was made) makes the slots larger when the next epoch starts
-            # (see _reset), where memory holds all of them (else an outsized
-            # batch would cost the ring, not just itself).
-            handover = self._handover
-            learned = needed + needed // 16 + 65536
-            if self._ring is None:
-                if learned > (handover.learned_slot_bytes or 0):
-                    handover.learned_slot_bytes = learned
-            elif needed > self._ring.slot_bytes - self._state_bytes:
-                self._grow_for(learned)
+        if msg_kind == "batch" or msg_kind == "segment":
+            if msg.slot_bytes_needed:
+                self._keeper.measured(msg.slot_bytes_needed)
         return msg.task_id, msg
-
-    def _get_data(self):
-        """(epoch index, data) of the next result of this epoch."""
-        while True:
-            task_id, payload = self._next_arrival()
-            if task_id is not None and task_id >= self._epoch_base:
-                return task_id - self._epoch_base, payload
-            _discard(payload)
-
-    def _first_in_turn(self, indices):
-        """The first of these arrived results whose worker has answered every
-        earlier task of its own, or None.  With in_order=False a slot can
-        overtake its worker's earlier answer on the pipe (see _collect); torch
-        never yields a worker's results out of that worker's order (a resumed
-        IterableDataset relies on it), so such a result waits its turn.
-        (fetch="sample" tasks belong to no one worker.)"""
-        for idx in sorted(indices):
-            worker_id = self._task_info[idx][0]
-            if self._fetch != "batch" or not any(
-                j < idx and len(info) == 1 and info[0] == worker_id
-                for j, info in self._task_info.items()
-            ):
-                return idx
-        return None
-
-    def _unpack(self, data):
-        counters = self._counters
-        counters.batches += 1
-        kind = _kind(data)
-        if kind == "slot":
-            lease = data
-            counters.slot_batches += 1
-            if self._reserve_rest_in:
-                self._reserve_rest_in -= 1
-                if not self._reserve_rest_in:
-                    reserve_in_background(self._ring)
-        elif kind == "segment":
-            lease = data.lease  # a one-off segment's (see _one_off.py)
-        else:  # "batch": pickled by torch
-            counters.samples += data.samples
-            self._count_outside_ring(data.reason, data.state)
-            return data.data, data.state
-        if lease.meta_len == 0:  # filled row by row (fetch="sample")
-            meta = self._handover.sample_layout.meta(lease.rows)
-        else:
-            meta = lease.meta()
-        batch, fallback_leaves, samples, worker_state = _layout.loads(
-            meta, lease, kind == "segment" or not self._registered
-        )
-        counters.fallback_leaves += fallback_leaves
-        counters.samples += samples
-        if kind == "segment":
-            self._count_outside_ring(data.reason, worker_state)
-        return batch, worker_state
-
-    def _count_outside_ring(self, reason: str, worker_state) -> None:
-        """Count a batch that came outside the ring, and why."""
-        counters = self._counters
-        if reason == NO_RING:
-            counters.unsized_batches += 1
-        elif reason == RING_FULL:
-            counters.ring_full_batches += 1
-        else:
-            counters.spilled_batches += 1
-            self._warn_spill(worker_state)
-
-    def _warn_spill(self, worker_state) -> None:
-        if not self._counters.warned_spill:
-            assert self._ring is not None  # (a batch spills from a slot of it)
-            self._counters.warned_spill = True
-            state_bytes = len(worker_state) if worker_state is not None else 0
-            state = (
-                f" (with the worker's state, {state_bytes} bytes: the dataset's "
-                "state_dict() and the RNGs)"
-                if state_bytes > self._state_bytes
-                else ""
-            )
-            sized = (
-                f"slot_bytes={self._slot_bytes}, rounded up to a page"
-                if self._slot_bytes
-                else "sized from the loader's first batches"
-            )
-            self._warn(
-                f"shmloader: a batch{state} did not fit its slot "
-                f"({self._ring.slot_bytes - self._state_bytes} bytes for a batch: {sized}) and was "
-                "delivered whole in shared memory of its own (slower); later ones that do not fit "
-                "will be too"
-                + (
-                    ". Pass slot_bytes= to size slots for your largest batch."
-                    if self._slot_bytes
-                    else " until the next epoch starts, whose ring has slots made to fit the "
-                    "largest batch seen. Pass slot_bytes= to size slots for your largest batch "
-                    "from the start."
-                ),
-                "warned_spill",
-            )
-
-    def _pin(self, batch):
-        """torch's pin-memory thread's step: its errors come as that thread's."""
-        try:
-            return _utils.pin_memory.pin_memory(batch, self._pin_memory_device)
-        except Exception:
-            ExceptionWrapper(
-                where=f"in pin memory thread for device {self._pin_device_id}"
-            ).reraise()
-
-
-# What _process_data returns for a batch fetched again after a resume and dropped.
-_REPLAYED = object()
 
 
 # poll() takes milliseconds in a C int: a longer timeout is slept in parts.
@@ -267,13 +222,13 @@ def _wait_fds(fds, timeout):
             return fired
 
 
-def _kind(payload: Any) -> str:
+def kind(payload: Any) -> str:
     """A result is a worker's message, a record of _protocol.py (Batch,
     Error, Stop, ...), or, for a batch in the ring, the SlotLease of its slot."""
     return "slot" if isinstance(payload, SlotLease) else payload.kind
 
 
-def _discard(payload) -> None:
+def discard(payload: Any) -> None:
     """Drop a result nobody will see; a slot goes straight back to the ring."""
-    if _kind(payload) == "slot":
+    if kind(payload) == "slot":
         payload.release()

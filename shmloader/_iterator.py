@@ -1,9 +1,16 @@
 """The multi-process iterator: torch's dispatch and ordering, shmloader's transport.
 
 ShmLoaderIter keeps torch's hook names (_reset, _next_index, _try_put_index,
-_next_data, _process_data, _shutdown_workers) and orchestrates; its ring is
-kept by _iter_ring.py, its epochs planned by _iter_epochs.py, its results
-received and unpacked by _iter_receive.py (mixins sharing its state).
+_next_data, _process_data, _shutdown_workers) and makes each step of them
+from parts that own their state, built here and depending one way only:
+
+    ShmLoaderIter ─┬─> EpochPlanner (_iter_epochs.py): what each epoch is
+                   ├─> DispatchRecord (_dispatch_record.py): one epoch's tasks
+                   ├─> Delivery (_iter_deliver.py) ─┐ a result made a batch
+                   ├─> Receiver (_iter_receive.py) ─┤ results as they arrive
+                   ├─> RingKeeper (_iter_ring.py) <─┘ the ring and its slots
+                   ├─> WorkerPool (_pool.py): the worker processes
+                   └─> DeferredWarnings (_warn.py)
 
 Dispatch follows torch's _MultiProcessingDataLoaderIter step for step (same
 sampler draws, round-robin from worker 0 each epoch, at most
@@ -19,18 +26,18 @@ every worker, which fill its slot row by row (_worker.py, _sample_layout.py); th
 first sample of the loader is fetched alone first (a "probe") to fix the
 layout and size the ring.  prefetch_next_epoch keeps dispatching, when the
 sampler runs out, the next epoch's batches; they are numbered on from this
-epoch's (epoch index >= _next_epoch_at) and adopted by the next _reset if the
-samplers still describe the epoch they were drawn for (_next_epoch.py).
+epoch's (epoch index >= the record's next_epoch_at) and adopted by the next
+_reset if the samplers still describe the epoch they were drawn for
+(_next_epoch.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing.util
 import os
 import time
-import weakref
-from collections import deque
 
 import torch
 from torch.utils.data import _utils
@@ -38,24 +45,30 @@ from torch.utils.data.dataloader import (
     IterDataPipe,
     MapDataPipe,
     _BaseDataLoaderIter,
+    _DatasetKind,
     _sharding_worker_init_fn,
 )
 
-from . import _torch_api
-from ._iter_epochs import EpochPlanning
-from ._iter_receive import _REPLAYED, Receiving, _discard, _kind
-from ._iter_ring import RingKeeping
+from . import _cuda, _torch_api
+from ._dispatch_record import DispatchRecord
+from ._iter_deliver import Delivery
+from ._iter_epochs import EpochPlanner
+from ._iter_receive import Receiver, discard, kind
+from ._iter_ring import RingKeeper
 from ._pool import WorkerDied, WorkerPool
-from ._protocol import Rows, Task
-from ._resume import Progress
-from ._ring_memory import retire
+from ._protocol import Probe, Resume, Rows, Task
+from ._resume import STATE_BYTES, carries_state
 from ._seeding import countable
-from ._warn import WarnsBetweenBatches, init_as_torch
+from ._warn import DeferredWarnings, init_as_torch
+
+# What _process_data returns for a batch fetched again after a resume and dropped.
+_REPLAYED = object()
 
 
-class ShmLoaderIter(
-    RingKeeping, EpochPlanning, Receiving, WarnsBetweenBatches, _BaseDataLoaderIter
-):
+class ShmLoaderIter(_BaseDataLoaderIter):
+    # torch draws it as an int64 tensor's .item(), which types say may be a float.
+    _base_seed: int
+
     def __init__(self, loader) -> None:
         resume = loader._resume
         rng_before = (
@@ -66,48 +79,77 @@ class ShmLoaderIter(
         _torch_api.check_iterator(self)
         _torch_api.check_prefetch_factor(self._prefetch_factor)  # after the same draws
         loader._take_resume()  # this iterator resumes it
-        # Its own record: state_dict() describes the loader's newest iterator.
-        self._progress = loader._progress = Progress()
-        self._resume = resume
-        # Per worker, the numbers of its tasks to fetch again and drop (see _resume_epoch).
-        self._replay = None
-        self._died = None  # the message of the WorkerDied that ended this iterator
-        self._interrupted = None  # the name of the KeyboardInterrupt (or such) that ended it
-        self._deferred_warnings = []  # (error, flag): see WarnsBetweenBatches
-        self._skip = set()  # epoch indices not to fetch again (in_order=False resume)
-        self._pending_first_draw = None
         if resume is not None:
             self._base_seed = resume.settle_base_seed(
                 loader, self._base_seed, self._persistent_workers, rng_before
             )
-        self._in_order = loader.in_order
-        self._counters = loader._counters
-        self._handover = loader._ring_handover
-        self._made_with = loader._options()  # see DataLoader.__iter__
-        self._fetch = loader.fetch
-        self._prefetch_next_epoch = loader.prefetch_next_epoch
-        self._batch_size = loader.batch_size
-        # prefetch_next_epoch (persistent workers, so the loader holds this
-        # iterator): a weak reference, which leaves no cycle to keep dropped
-        # loaders' workers alive until the garbage collector runs.
-        self._loader_ref = weakref.ref(loader)
+        self._died: str | None = None  # the message of the WorkerDied that ended this iterator
+        self._interrupted: str | None = (
+            None  # the name of the KeyboardInterrupt (or such) that ended it
+        )
         self._shutdown = False
         self._owner_pid = os.getpid()
-        self._ring = None
-        # Batches a new ring delivers before the rest of it is reserved (see _unpack).
-        self._reserve_rest_in = 0
-        self._epoch_base = 0  # task id of this epoch's first task
-        self._send_idx = 0
-        self._arrivals = deque()
-        self._row_errors = {}  # fetch="sample": task id -> {row: its RowError}
-        self._init_ring(loader)
-        self._start_workers(loader, resume)
-        self._next_epoch_at = None  # epoch index of the next epoch's first task
-        self._prefetched = None  # its PrefetchedEpoch
-        self._attach_ring()
+        self._made_with = loader._options()  # see DataLoader.__iter__
+        self._in_order = loader.in_order
+        self._fetch = loader.fetch
+        self._batch_size = loader.batch_size
+        self._counters = loader._counters
+        self._deferred_warnings = DeferredWarnings(self._counters)
+        warn = self._deferred_warnings.warn
+        self._epochs = EpochPlanner(
+            loader=loader,
+            resume=resume,
+            base_seed=self._base_seed,
+            num_workers=self._num_workers,
+            auto_collation=self._auto_collation,
+            warn=warn,
+        )
+        device = loader.device
+        self._ring_keeper = RingKeeper(
+            handover=loader._ring_handover,
+            counters=self._counters,
+            warn=warn,
+            num_workers=self._num_workers,
+            prefetch_factor=self._prefetch_factor,
+            fetch=self._fetch,
+            slot_bytes=loader.slot_bytes,
+            num_slots=loader.num_slots,
+            state_bytes=(
+                STATE_BYTES if carries_state(self._dataset_kind, loader.seed_per_sample) else 0
+            ),
+            # Pin the ring itself (once) where batches go to a CUDA device.
+            register=torch.cuda.is_available()
+            and (_torch_api.pins_to_cuda(self) or (device is not None and device.type == "cuda")),
+        )
+        self._pool = self._start_workers(loader, resume)
+        self._receiver = Receiver(
+            ring_keeper=self._ring_keeper,
+            pool=self._pool,
+            counters=self._counters,
+            timeout=self._timeout,
+            in_order=self._in_order,
+        )
+        self._delivery = Delivery(
+            ring_keeper=self._ring_keeper,
+            counters=self._counters,
+            warn=warn,
+            pin_memory=self._pin_memory,
+            pin_memory_device=self._pin_memory_device,
+            pin_device_id=self._pin_device_id,
+            device_stage=_cuda.DeviceStage(device) if device is not None else None,
+        )
+        self._record = DispatchRecord(
+            self._num_workers, self._dataset_kind == _DatasetKind.Iterable
+        )
+        self._ring_keeper.attach(self._pool)
         self._reset(loader, first_iter=True)
 
-    def _start_workers(self, loader, resume) -> None:
+    @property
+    def _ring(self):
+        """The ring, or None before a slot size is known."""
+        return self._ring_keeper.ring
+
+    def _start_workers(self, loader, resume) -> WorkerPool:
         """The worker processes, each given what torch gives its workers,
         plus shmloader's options and (resuming) its state."""
         ctx = loader.multiprocessing_context or torch.multiprocessing
@@ -125,7 +167,7 @@ class ShmLoaderIter(
         # that a pin_memory_device with no such device fails as torch's does;
         # before the workers start, so that none is left behind then.
         self._pin_device_id = _torch_api.pin_thread_device(self) if self._pin_memory else None
-        self._pool = WorkerPool(
+        return WorkerPool(
             ctx,
             [
                 dict(
@@ -142,7 +184,7 @@ class ShmLoaderIter(
                     shared_seed=self._shared_seed,
                     seed_per_sample=loader.seed_per_sample,
                     assignment=loader.assignment,
-                    measures_spills=self._slot_bytes is None,
+                    measures_spills=loader.slot_bytes is None,
                     resume_state=resume.worker_state(i) if resume is not None else None,
                     manager_pid=os.getpid(),
                 )
@@ -162,6 +204,11 @@ class ShmLoaderIter(
         self._num_yielded += 1
         return data
 
+    def _next_index(self):
+        return countable(self._epochs.first_draw(super()._next_index), self._auto_collation)
+
+    # ---- epochs ---------------------------------------------------------------
+
     def _reset(self, loader, first_iter=False) -> None:
         try:
             self._start_epoch(loader, first_iter)
@@ -171,79 +218,149 @@ class ShmLoaderIter(
             self._end_on_interrupt(e)
             raise
 
-    def _next_index(self):
-        if self._pending_first_draw is not None:
-            resume, self._pending_first_draw = self._pending_first_draw, None
-            index = resume.first_draw(super()._next_index)
-        else:
-            index = super()._next_index()
-        return countable(index, self._auto_collation)
+    def _start_epoch(self, loader, first_iter) -> None:
+        if loader._counters is not self._counters:
+            # A copy.copy of the loader, made while this persistent iterator
+            # was live, goes on with it (as torch's copies do): the epoch is
+            # counted in the copy's stats and described by its state_dict().
+            self._use_counters(loader._counters)
+        epochs = self._epochs
+        loader._progress = epochs.progress
+        self._deferred_warnings.forget()  # met in an epoch left unfinished
+        keeper = self._ring_keeper
+        if keeper.ring is None and not first_iter:
+            # Sized by the last epoch's batches, after its last next().
+            slot_bytes = keeper.known_slot_bytes()
+            if slot_bytes:
+                keeper.start(slot_bytes, self._pool)
+        self._epoch_started = time.perf_counter()
+        rewind = None  # an epoch whose prefetched batches are dropped
+        if epochs.prefetched is not None:
+            if epochs.prefetched.holds():
+                self._adopt_next_epoch()
+                return
+            rewind = epochs.drop_prefetched(self._counters, self._record)
+        # (A persistent iterator's first epoch has fresh workers too: it may
+        # follow one whose workers died or whose options changed.)
+        resume = epochs.begin(loader, fresh_workers=first_iter or not self._persistent_workers)
+        super()._reset(loader, first_iter)
+        self._record = self._record.fresh()
+        if resume is not None:
+            self._num_yielded = epochs.resume_into(resume, self._record, self._next_index)
+        with self._failing_workers():
+            if not first_iter:
+                self._resume_workers(rewind)
+                grown = keeper.outgrown()
+                if grown is not None:
+                    # A batch outgrew the slots: the ring is made anew, now
+                    # that no task of an earlier epoch can still write it.
+                    keeper.retire()
+                    keeper.start(grown, self._pool)
+            for _ in range(self._prefetch_factor * self._num_workers):
+                self._try_put_index()
+
+    def _use_counters(self, counters) -> None:
+        self._counters = counters
+        for part in (self._deferred_warnings, self._ring_keeper, self._receiver, self._delivery):
+            part.counters = counters
+        counters.use_ring(self._ring_keeper.ring, self._num_workers, counted=True)
+
+    def _resume_workers(self, rewind) -> None:
+        """Start persistent workers on a new epoch, dropping the old one's
+        results (a worker computes the old tasks still queued before the
+        resume, as torch's do, so that the RNG draws match).  `rewind`:
+        the number of an epoch whose prefetched batches are dropped; workers
+        that fetched some go back to their RNG state from before them."""
+        for i in range(self._num_workers):
+            self._pool.send(i, Resume.wire(self._shared_seed, rewind))
+        for worker_id, rng_state in self._receiver.resumed(self._num_workers):
+            self._epochs.progress.worker_resumed(worker_id, rng_state)
+
+    def _start_next_epoch(self) -> bool:
+        """prefetch_next_epoch: the sampler ran out; go on with the next
+        epoch's (see EpochPlanner.start_next_epoch).  False when there is
+        nothing to prefetch."""
+        if self._record.next_epoch_at is not None:
+            return False
+        if self._ring_keeper.outgrown() is not None:
+            return False  # the ring is made anew, larger, as the next epoch starts
+        sampler_iter = self._epochs.start_next_epoch(self, self._index_sampler)
+        if sampler_iter is None:
+            return False
+        self._sampler_iter = sampler_iter
+        self._record.start_next_epoch()
+        return True
+
+    def _adopt_next_epoch(self) -> None:
+        """Make the prefetched epoch the current one: its tasks are renumbered
+        from 0 and everything about them (in flight, arrived) is kept.  Tasks
+        of an epoch broken off leave the new epoch its whole prefetch window,
+        as torch's reset does: their results are awaited and dropped first,
+        so that their slots are free for that window."""
+        record = self._record
+        stale, arrived = record.adopt_next_epoch()
+        for result in arrived:
+            discard(result)
+        self._receiver.drop_earlier(stale, record.epoch_base)
+        self._num_yielded = 0
+        self._epochs.adopt_prefetched(self._counters)
+        with self._failing_workers():
+            # Tasks not yet yielded, in flight or arrived, as torch's reset primes.
+            while len(record.tasks) < self._prefetch_factor * self._num_workers:
+                sent = record.send_idx
+                self._try_put_index()
+                if record.send_idx == sent:
+                    break
 
     # ---- dispatch (torch's rules) -----------------------------------------
 
     def _try_put_index(self) -> None:
         max_tasks = self._prefetch_factor * self._num_workers
-        assert self._tasks_outstanding < max_tasks
+        record, epochs = self._record, self._epochs
+        assert record.outstanding < max_tasks
         try:
-            index = self._draw()
+            index = epochs.draw(self._next_index)
         except StopIteration:
             if not self._start_next_epoch():
                 return
             try:
-                index = self._draw()
+                index = epochs.draw(self._next_index)
             except StopIteration:
                 return
-        while self._send_idx in self._skip:  # yielded before a resume
-            self._skip.discard(self._send_idx)
-            self._position += self._samples_in(index)
-            next(self._worker_queue_idx_cycle)
-            self._send_idx += 1
+        while epochs.yielded_before_resume(record.send_idx):
+            record.pass_over(epochs.samples_in(index))
             try:
-                index = self._draw()
+                index = epochs.draw(self._next_index)
             except StopIteration:
                 return
-        for _ in range(self._num_workers):  # find the next active worker, if any
-            worker_id = next(self._worker_queue_idx_cycle)
-            if self._workers_status[worker_id]:
-                if self._in_order or not _torch_api.IN_ORDER_FALSE_CAPS_EACH_WORKER:
-                    break
-                if self._workers_num_tasks[worker_id] < max_tasks // sum(self._workers_status):
-                    break
-        else:
+        worker_id = record.next_worker(
+            max_tasks, not self._in_order and _torch_api.IN_ORDER_FALSE_CAPS_EACH_WORKER
+        )
+        if worker_id is None:
             return
-        task_id = self._epoch_base + self._send_idx
-        position = self._position
-        self._position += self._samples_in(index)
-        early = self._dispatch(worker_id, task_id, index, position)
-        self._workers_num_tasks[worker_id] += 1
-        if self._task_numbers is not None:
-            self._task_numbers[self._send_idx] = self._tasks_sent[worker_id]
-            self._tasks_sent[worker_id] += 1
-        if early is None:
-            self._task_info[self._send_idx] = (worker_id,)
-            self._tasks_outstanding += 1
-        else:  # its result is already here
-            self._task_info[self._send_idx] = (worker_id, early)
-        self._send_idx += 1
+        task_id = record.next_task_id
+        position = record.take_position(epochs.samples_in(index))
+        record.sent(worker_id, self._dispatch(worker_id, task_id, index, position))
 
     def _dispatch(self, worker_id, task_id, index, position):
         """Send one batch's task: to every worker (fetch="sample": rows of
         one slot) or to worker_id (a whole batch).  Returns None, or the
         batch's result if it is known at once (its first sample failed
         before there was a layout)."""
-        epoch = self._epoch
+        epoch = self._epochs.epoch
         first_row = 0
         # An empty batch (a batch_sampler's) has no rows: one worker collates
         # it whole, failing as torch's collate does.
-        rows = self._fetch == "sample" and self._samples_in(index) > 0
-        if rows and self._handover.sample_layout is None:
+        rows = self._fetch == "sample" and self._epochs.samples_in(index) > 0
+        handover = self._ring_keeper.handover
+        if rows and handover.sample_layout is None:
             error = self._learn_layout(task_id, index, epoch, position)
             if error is not None:
                 return error
             first_row = len(index)  # every row is the worker's that fetched it already
-        slot = self._claim_slot()
-        if rows and slot >= 0 and len(index) <= self._handover.sample_layout.capacity:
-            self._ring.rows_begin(slot, task_id, len(index), first_row)
+        slot = self._ring_keeper.claim()
+        if rows and slot >= 0 and len(index) <= handover.sample_layout.capacity:
+            self._ring_keeper.ring.rows_begin(slot, task_id, len(index), first_row)
             self._pool.broadcast(Rows.wire(task_id, slot, index, epoch, position, first_row))
         else:
             # Everything else goes whole to one worker (a batch bigger than
@@ -251,9 +368,35 @@ class ShmLoaderIter(
             self._pool.send(worker_id, Task.wire(task_id, index, slot, epoch, position))
         return None
 
+    def _learn_layout(self, task_id, index, epoch, position):
+        """fetch="sample": every worker starts on its share of this batch's
+        samples; the one with its first sample describes the layout it
+        fixes, and the ring is made from it while the others go on fetching.
+        Returns None, or the first sample's error (which becomes this
+        batch's result)."""
+        capacity = self._batch_size or len(index)
+        self._pool.broadcast(Probe.wire(task_id, index, epoch, position, capacity))
+        payload = self._receiver.take(task_id)
+        if kind(payload) == "error":
+            return payload
+        layout = payload.layout
+        slot_bytes = self._ring_keeper.slot_bytes
+        if slot_bytes is not None and slot_bytes < layout.slot_bytes:
+            raise ValueError(
+                f"slot_bytes={slot_bytes} is too small for fetch='sample' "
+                f"batches of {capacity} samples of {layout.sample_bytes} bytes each: "
+                f"{layout.slot_bytes} bytes are needed. Pass slot_bytes >= {layout.slot_bytes}, "
+                "or leave it None."
+            )
+        self._ring_keeper.handover.sample_layout = layout
+        self._ring_keeper.start(layout.slot_bytes, self._pool)
+        return None
+
+    # ---- results --------------------------------------------------------------
+
     def _next_data(self):
         if self._deferred_warnings:
-            self._raise_deferred_warning()
+            self._deferred_warnings.raise_first()
         if self._owner_pid != os.getpid():
             raise RuntimeError(
                 "this DataLoader iterator was made by the process this one was forked from, "
@@ -288,93 +431,101 @@ class ShmLoaderIter(
             self._counters.wall_seconds += now - self._epoch_started
             self._epoch_started = now
         counters = self._counters
-        if self._ring is not None:
-            in_use = self._ring.nslots - self._ring.count_free()
+        ring = self._ring_keeper.ring
+        if ring is not None:
+            in_use = ring.nslots - ring.count_free()
             counters.occupancy_sum += in_use
             counters.occupancy_max = max(counters.occupancy_max, in_use)
         return batch
 
     def _next_batch(self):
-        if self._ring is None and self._handover.learned_slot_bytes is not None:
-            self._start_ring(self._known_slot_bytes())
-        end = self._send_idx if self._next_epoch_at is None else self._next_epoch_at
+        keeper, record = self._ring_keeper, self._record
+        if keeper.ring is None and keeper.handover.learned_slot_bytes is not None:
+            keeper.start(keeper.known_slot_bytes(), self._pool)
+        per_worker = self._fetch == "batch"
         while True:
-            if self._held:
-                idx = self._first_in_turn(self._held)
+            if record.held:
+                idx = record.first_in_turn(record.held, per_worker)
                 if idx is not None:
-                    self._held.discard(idx)
-                    worker_id, data = self._task_info.pop(idx)
-                    return self._process_data(data, worker_id, idx)
-            # Skip tasks of workers that became inactive without an answer.
-            while self._rcvd_idx < end:
-                info = self._task_info.get(self._rcvd_idx)
-                if info:
-                    if len(info) == 2 or self._workers_status[info[0]]:
-                        break
-                    del self._task_info[self._rcvd_idx]
-                self._rcvd_idx += 1
-            else:
+                    return self._yield_task(idx)
+            idx = record.next_in_line()
+            if idx is None:
                 if self._deferred_warnings:  # instead of StopIteration (raised next time)
-                    self._raise_deferred_warning()
-                self._progress.epoch_ended()
+                    self._deferred_warnings.raise_first()
+                self._epochs.progress.epoch_ended()
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration
+            if record.tasks[idx].result is not None:
+                record.rcvd_idx += 1
+                return self._yield_task(idx)
 
-            if len(self._task_info[self._rcvd_idx]) == 2:
-                self._held.discard(self._rcvd_idx)
-                worker_id, data = self._task_info.pop(self._rcvd_idx)
-                self._rcvd_idx += 1
-                return self._process_data(data, worker_id, self._rcvd_idx - 1)
-
-            assert not self._shutdown and self._tasks_outstanding > 0
-            idx, data = self._get_data()
-            self._tasks_outstanding -= 1
-            if _kind(data) == "stop":
-                worker_id = self._task_info[idx][0]
-                self._workers_status[worker_id] = False
-                self._progress.worker_ran_out(worker_id, data.state)
+            assert not self._shutdown and record.outstanding > 0
+            idx, data = self._receiver.next_of_epoch(record.epoch_base)
+            record.outstanding -= 1
+            if kind(data) == "stop":
+                worker_id = record.tasks[idx].worker_id
+                record.workers_status[worker_id] = False
+                self._epochs.progress.worker_ran_out(worker_id, data.state)
                 if not self._persistent_workers:
                     self._pool.stop(worker_id)
                 self._try_put_index()
                 continue
-            if idx != self._rcvd_idx:
+            if idx != record.rcvd_idx:
+                record.tasks[idx].result = data
                 if not self._in_order and (
-                    self._next_epoch_at is None or idx < self._next_epoch_at
+                    record.next_epoch_at is None or idx < record.next_epoch_at
                 ):
-                    if self._first_in_turn([idx]) is None:
-                        self._task_info[idx] += (data,)
-                        self._held.add(idx)
+                    if record.first_in_turn([idx], per_worker) is None:
+                        record.held.add(idx)
                         continue
-                    worker_id = self._task_info.pop(idx)[0]
-                    return self._process_data(data, worker_id, idx)
-                self._task_info[idx] += (data,)
+                    return self._yield_task(idx)
             else:
-                worker_id = self._task_info.pop(idx)[0]
-                self._rcvd_idx += 1
-                return self._process_data(data, worker_id, idx)
+                record.tasks[idx].result = data
+                record.rcvd_idx += 1
+                return self._yield_task(idx)
 
-    def _process_data(self, data, worker_id, idx):
-        self._workers_num_tasks[worker_id] -= 1
+    def _yield_task(self, idx):
+        worker_id, data, number = self._record.yielded(idx)
+        return self._process_data(data, worker_id, idx, number)
+
+    def _process_data(self, data, worker_id, idx, number):
         self._try_put_index()
-        number = self._task_numbers.pop(idx) if self._task_numbers is not None else None
-        if self._replay is not None:  # resuming an IterableDataset without state
-            below, beyond = self._replay[worker_id]
-            if number < below or number in beyond:
-                _discard(data)
-                return _REPLAYED
-        if _kind(data) == "error":
-            self._progress.batch_yielded(idx, worker_id, data.state, number)
+        progress = self._epochs.progress
+        if self._epochs.replayed(worker_id, number):  # resuming an IterableDataset
+            discard(data)
+            return _REPLAYED
+        if kind(data) == "error":
+            progress.batch_yielded(idx, worker_id, data.state, number)
             data.wrapper.reraise()
-        batch, worker_state = self._unpack(data)
-        self._progress.batch_yielded(idx, worker_id, worker_state, number)
-        if self._pin_memory and not (self._registered and _kind(data) == "slot"):
-            batch = self._pin(batch)
-        if self._device_stage is not None:
-            batch = self._device_stage(batch)
-        return batch
+        batch, worker_state = self._delivery.unpack(data)
+        progress.batch_yielded(idx, worker_id, worker_state, number)
+        return self._delivery.to_device(batch, data)
 
-    # ---- shutdown -----------------------------------------------------------
+    # ---- ends -----------------------------------------------------------------
+
+    def _end_on_death(self, error: WorkerDied) -> None:
+        self._died = str(error)
+        self._shutdown_workers(graceful=False)
+
+    def _end_on_interrupt(self, interrupt: BaseException) -> None:
+        """A KeyboardInterrupt can land between any two steps of next()'s
+        bookkeeping (a batch taken from the ring and not yet returned, a task
+        recorded and not yet sent): going on could skip batches silently, so
+        it ends this iterator, as a worker's death does (torch's, interrupted
+        and asked again, may wait forever)."""
+        self._interrupted = type(interrupt).__name__
+        self._shutdown_workers(graceful=False)
+
+    @contextlib.contextmanager
+    def _failing_workers(self):
+        """A worker's death ends this iterator: the other workers are stopped
+        at once, and the loader's next iter() starts afresh."""
+        try:
+            yield
+        except WorkerDied as e:
+            self._end_on_death(e)
+            raise
 
     def _shutdown_workers(self, graceful: bool = True) -> None:
         if (
@@ -389,7 +540,7 @@ class ShmLoaderIter(
         if self._shutdown:
             return
         self._shutdown = True
-        self._forget_deferred_warnings()
+        self._deferred_warnings.forget()
         if os.getpid() != self._owner_pid:
             return  # a forked child collecting a copy: the workers are not its own
         pool = getattr(self, "_pool", None)
@@ -400,27 +551,22 @@ class ShmLoaderIter(
             self._release_results()
 
     def _release_results(self) -> None:
-        """Free what the gone workers left: results not yielded, and the ring."""
-        while self._arrivals:
-            _discard(self._arrivals.popleft()[1])
-        # Results that arrived before their turn: their slots are free for
-        # the loader's next iterator even while this one is still referenced.
-        for info in getattr(self, "_task_info", {}).values():
-            if len(info) == 2:
-                _discard(info[1])
-        self._task_info, self._held = {}, set()
-        if self._ring is not None:
-            # Every worker is gone: the ring goes back to the loader for its
-            # next iterator (batches the user holds keep their slots), or,
-            # when the loader is gone, keeps only the slots those batches hold.
-            if self._loader_ref() is None:
-                retire(self._ring)
-            else:
-                self._handover.keep_spare_ring(self._ring)
-            self._ring = None
+        """Free what the gone workers left: results not yielded (their slots
+        are free for the loader's next iterator even while this one is still
+        referenced), and the ring."""
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None:
+            receiver.drop_all()
+        record = getattr(self, "_record", None)
+        if record is not None:
+            for result in record.arrived_results():
+                discard(result)
+        keeper = getattr(self, "_ring_keeper", None)
+        if keeper is not None:
+            keeper.hand_back(self._epochs.loader() is not None)
 
     def __del__(self) -> None:
-        if hasattr(self, "_arrivals"):
+        if hasattr(self, "_epochs"):
             self._shutdown_workers()
 
 

@@ -22,15 +22,15 @@ from ._resume import (
     worker_snapshot,
 )
 from ._seeding import Samples, countable, positions_in
-from ._warn import WarnsBetweenBatches
+from ._warn import DeferredWarnings
 
 
-class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
+class SingleProcessIter(_SingleProcessDataLoaderIter):
     # torch draws it as an int64 tensor's .item(), which types say may be a float.
     _base_seed: int
 
     def __init__(self, loader) -> None:
-        self._deferred_warnings = []  # (error, flag): see WarnsBetweenBatches
+        self._deferred_warnings = DeferredWarnings(loader._counters)
         resume = loader._take_resume()
         if resume is not None and resume.finished:
             resume = None  # already applied: the new epoch starts as any other
@@ -110,7 +110,7 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
                 self._replay = resume.replayed
                 self._next_idx = 0
                 if self._replay:
-                    self._warn(replay_message(self._replay))
+                    self._deferred_warnings.warn(replay_message(self._replay))
                 if users_rngs is not None:
                     # Now, on the epoch's RNGs, which then go back to the
                     # user's (restored to where they stood after those batches).
@@ -155,7 +155,7 @@ class SingleProcessIter(WarnsBetweenBatches, _SingleProcessDataLoaderIter):
 
     def _next_data(self):
         if self._deferred_warnings:
-            self._raise_deferred_warning()
+            self._deferred_warnings.raise_first()
         if self._replay:
             # A state without the epoch's starting RNGs: the replay's draws
             # are undone at least (the user restores this process's RNGs to

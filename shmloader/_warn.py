@@ -91,31 +91,35 @@ def warn_as_torch_worker_start(message: str) -> None:
     )
 
 
-class WarnsBetweenBatches:
-    """For iterators: a warning that filters turn into an error (pytest -W
-    error) is raised by the next next() before it takes anything, or in place
-    of the epoch's StopIteration, so no batch or task in flight is lost.  One
-    whose error is never raised (the iterator is reset or dropped first)
-    clears its once-only flag on the loader's counters, so it comes again."""
+class DeferredWarnings:
+    """An iterator's warnings: one that filters turn into an error (pytest -W
+    error) is kept, and raised by the next next() before it takes anything,
+    or in place of the epoch's StopIteration, so no batch or task in flight
+    is lost.  One whose error is never raised (the iterator is reset or
+    dropped first) clears its once-only flag on the loader's counters, so it
+    comes again."""
 
-    # Set by the iterator's __init__.
-    _deferred_warnings: list[tuple[Warning, str | None]]  # (error, its flag)
-    _counters: Counters
+    def __init__(self, counters: Counters) -> None:
+        self.counters = counters  # the loader's: its once-only flags
+        self._errors: list[tuple[Warning, str | None]] = []  # (error, its flag)
 
-    def _warn(self, message: str, flag: str | None = None) -> None:
+    def __bool__(self) -> bool:
+        return bool(self._errors)
+
+    def warn(self, message: str, flag: str | None = None) -> None:
         try:
             warn(message)
         except Warning as error:
-            # Without its traceback, whose frames hold this iterator: kept, it
+            # Without its traceback, whose frames hold the iterator: kept, it
             # would make a cycle that only the garbage collector ends, and an
             # iterator left with it unraised (a break) would keep its workers.
-            self._deferred_warnings.append((error.with_traceback(None), flag))
+            self._errors.append((error.with_traceback(None), flag))
 
-    def _raise_deferred_warning(self) -> None:
-        raise self._deferred_warnings.pop(0)[0]
+    def raise_first(self) -> None:
+        raise self._errors.pop(0)[0]
 
-    def _forget_deferred_warnings(self) -> None:
-        for _, flag in self._deferred_warnings:
+    def forget(self) -> None:
+        for _, flag in self._errors:
             if flag is not None:
-                setattr(self._counters, flag, False)
-        self._deferred_warnings = []
+                setattr(self.counters, flag, False)
+        self._errors = []

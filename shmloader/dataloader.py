@@ -383,7 +383,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             or self._iterator._made_with != self._options()
         ):
             self._iterator._shutdown_workers()  # (a no-op for the first two)
-            prefetched = self._iterator._prefetched
+            prefetched = self._iterator._epochs.prefetched
             if prefetched is not None:  # its next epoch, numbered already, is drawn anew
                 self._epochs_started = prefetched.epoch
             self._iterator = None
