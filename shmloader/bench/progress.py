@@ -5,6 +5,10 @@ import sys
 import time
 from typing import Callable, TextIO
 
+# Not tqdm: `python -m shmloader.compare` draws this bar in the base install, whose only
+# dependencies are torch and numpy, and tqdm would become every loader user's dependency
+# for it; and where stderr is a file or a pipe tqdm redraws its one line with "\r" (or,
+# with disable=None, writes nothing), where a CI log needs a plain line per step.
 REDRAW_S = 0.2  # at most this often on a terminal: redrawing costs the loop CPU
 BAR_WIDTH = 24
 
