@@ -26,7 +26,7 @@ import torch
 from . import _layout
 from ._arena import Arena
 from ._ring import Ring
-from ._ring_memory import new_segment
+from ._segment import new_segment
 
 
 def write(task_id: int, data, samples: int, state, nbytes: int, reserve: int) -> Ring:

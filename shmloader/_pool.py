@@ -26,7 +26,7 @@ from torch.utils.data._utils import signal_handling
 from . import _one_off, _torch_api
 from ._errors import WorkerDied
 from ._protocol import EXIT, NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT, RingFds, from_worker
-from ._ring_memory import address_space_limit
+from ._segment import address_space_limit
 from ._warn import warn_as_torch_worker_start
 from ._worker import WorkerConfig, worker_loop
 

@@ -1,11 +1,11 @@
 """Where a loader's rings come from: creation in memfd memory, with a clear
-error when memory is short, and reuse from one iterator of a loader to the next."""
+error when memory is short, and reuse from one iterator of a loader to the next.
+The main side's: the segment itself, which workers make too, is _segment.py's
+(NOTE [segment: both sides])."""
 
 from __future__ import annotations
 
-import errno
 import os
-import resource
 import threading
 import weakref
 from dataclasses import dataclass
@@ -14,54 +14,12 @@ from . import _fork, _memory
 from ._errors import SharedMemoryError
 from ._ring import CLAIMED, Ring
 from ._sample_layout import SampleLayout
+from ._segment import SHM_DIR as SHM_DIR  # (shmloader/bench/limit.py reads it here)
+from ._segment import new_segment, ring_bytes_message
 
-SHM_DIR = "/dev/shm"  # only where memfd_create is refused (see create_ring)
 # Optional cap, in bytes, on one ring's shared memory: a ring that would be
 # larger fails at start.
 LIMIT_ENV = "SHMLOADER_SHM_LIMIT"
-
-
-# What to do about memory that is short, in every such message.
-_ADVICE = (
-    "Lower num_slots, slot_bytes or the batch size, or give the process more memory "
-    "(a container's memory limit, docker: --memory)."
-)
-
-
-def _ring_bytes_message(nslots, slot_bytes, short) -> str:
-    """`short`: what the room falls short of, in words."""
-    return (
-        f"shmloader needs {nslots * slot_bytes} bytes of shared memory for its ring "
-        f"({nslots} slots x {slot_bytes} bytes) but {short}. {_ADVICE}"
-    )
-
-
-def address_space_limit() -> str:
-    """This process's address-space limit, in words."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
-    return f"RLIMIT_AS, `ulimit -v`: {limit} here"
-
-
-def shm_full_message(cause: str) -> str:
-    """What to do when a batch's pages (a slot's on its first use, or a
-    one-off segment's) cannot be reserved."""
-    return (
-        f"shmloader could not reserve shared memory for this batch ({cause}): memory ran out "
-        "(the machine's or the memory cgroup's), so this batch is lost. " + _ADVICE
-    )
-
-
-def transport_shm_full_message(cause: str) -> str:
-    """What to do when torch's shared memory (its collate's in a worker, or its
-    transport's, which live in /dev/shm) finds no room there."""
-    return (
-        f"torch could not allocate shared memory for this batch ({cause}): {SHM_DIR} is full. "
-        "shmloader's ring does not use it, but batches that do not go through the ring do: "
-        "pass slot_bytes= of at least your largest batch's bytes, keep clones rather than "
-        "views of batch tensors you collect (a kept view holds its slot), or enlarge "
-        f"{SHM_DIR} (docker: --shm-size)."
-    )
 
 
 def _limit_bytes() -> int | None:
@@ -113,60 +71,16 @@ def smaller_ring_message(fit: int, nslots: int, slot_bytes: int, room: str) -> s
     )
 
 
-# Why rings live in /dev/shm instead of memfd memory in this process, or None.
-_memfd_refused: str | None = None
-
-
-def ring_memory() -> str:
-    """Where this process's rings live, in one line (for stats())."""
-    if _memfd_refused is None:
-        return "memfd (anonymous shared memory, limited by memory alone)"
-    return f"{SHM_DIR} (memfd_create refused: {_memfd_refused}): limited by its size"
-
-
 def create_ring(nslots: int, slot_bytes: int) -> Ring:
     """A new ring that no one else can open and nothing can leave behind:
     it lives only in the fds the workers receive.  SharedMemoryError where
     the memory this process can get does not hold it."""
     fit, room = slots_that_fit(slot_bytes)
     if fit < nslots:
-        raise SharedMemoryError(_ring_bytes_message(nslots, slot_bytes, room))
+        raise SharedMemoryError(ring_bytes_message(nslots, slot_bytes, room))
     ring = new_segment(nslots, slot_bytes)
     _fork.track(ring)
     return ring
-
-
-def new_segment(nslots: int, slot_bytes: int) -> Ring:
-    """A ring's segment in memfd memory, or in /dev/shm where memfd_create is
-    refused; SharedMemoryError where memory (or /dev/shm) is short."""
-    global _memfd_refused
-    try:
-        if _memfd_refused is None:
-            try:
-                return Ring.create_memfd("shmloader-ring", nslots, slot_bytes)
-            except OSError as e:
-                # An old kernel (ENOSYS) or a seccomp filter (EPERM, ENOSYS):
-                # /dev/shm from now on, as torch's shared memory.
-                if e.errno not in (errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EINVAL):
-                    raise
-                _memfd_refused = e.strerror or str(e)
-        return Ring.create_in(SHM_DIR, nslots, slot_bytes)
-    except OSError as e:
-        if (
-            e.errno == errno.ENOMEM
-            and resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
-        ):
-            raise SharedMemoryError(
-                f"shmloader could not map its ring of {nslots * slot_bytes} bytes ({nslots} "
-                f"slots x {slot_bytes} bytes): no address space was left for it "
-                f"({address_space_limit()}). Raise that limit, or lower num_slots, slot_bytes "
-                "or the batch size."
-            ) from e
-        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EOVERFLOW):
-            raise SharedMemoryError(
-                _ring_bytes_message(nslots, slot_bytes, f"{_memory.available()[1]} ({e.strerror})")
-            ) from e
-        raise
 
 
 def reserve_in_background(ring: Ring) -> None:

@@ -51,6 +51,7 @@ from torch.utils.data.graph_settings import apply_random_seed
 
 from . import _layout, _one_off
 from ._arena import Arena, SlotCollate, slot_bytes_needed
+from ._errors import SharedMemoryError
 from ._malloc import keep_freed_memory
 from ._next_epoch import attribute
 from ._protocol import (
@@ -81,9 +82,9 @@ from ._resume import (
     worker_snapshot,
 )
 from ._ring import Ring, SlotMemory
-from ._ring_memory import SharedMemoryError, shm_full_message, transport_shm_full_message
 from ._sample_layout import SampleLayout
 from ._seeding import Samples
+from ._segment import shm_full_message, transport_shm_full_message
 from ._worker_exit import exit_now, orphaned, set_exit_handlers
 
 # Without pidfds: how often a waiting worker checks that its main process lives.

@@ -41,7 +41,7 @@ from typing import ClassVar
 
 from . import _memory
 from ._errors import SharedMemoryError
-from ._ring_memory import SHM_DIR
+from ._segment import SHM_DIR
 
 _MAGIC = b"shmlist1"
 _HEADER = struct.Struct("=8sQQ")  # magic, entry count, data bytes
