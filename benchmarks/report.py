@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shmloader.bench.figures import figure_at
 from shmloader.bench.limit import LIMIT
 from shmloader.bench.machine import machine_line
 from shmloader.bench.record import (
@@ -36,9 +37,7 @@ class Column:
     ratio: bool = False
 
     def cell(self, figs: dict[str, Any]) -> str:
-        value = figs
-        for key in self.path:
-            value = value.get(key) if value else None
+        value = figure_at(figs, self.path)
         return "" if value is None else self.template.format(value * self.scale)
 
     def ratio_cell(self, ratio: dict[str, float]) -> str:
@@ -212,9 +211,7 @@ def _head(cells: list[str]) -> list[str]:
 def _figure(
     figs: dict[str, Any] | None, *path: str, template: str = "{:,.0f}", scale: float = 1
 ) -> str:
-    value = figs
-    for key in path:
-        value = value.get(key) if isinstance(value, dict) else None
+    value = figure_at(figs, path)
     return "-" if value is None else template.format(value * scale)
 
 

@@ -114,6 +114,15 @@ def ratios(loaders: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | No
     return result
 
 
+def figure_at(figs: dict[str, Any] | None, keys: tuple[str, ...]) -> Any:
+    """The figure at `keys`, outermost first, in a record's nested figures; None where
+    one of them is missing."""
+    value: Any = figs
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
 def _ratio(value: float, reference: float) -> float | None:
     """None where torch's figure is 0 (memory the tree gave back, say): no ratio."""
     return value / reference if reference else None

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import require
+from .figures import figure_at
 from .limit import LIMIT
 from .machine import machine_line
 from .verdict import conclusion, title, workers_label
@@ -50,13 +51,13 @@ def write(record: dict[str, Any], path: Path) -> None:
     panels = [
         (heading, keys, scale, template)
         for heading, keys, scale, template in PANELS
-        if all(_value(figs, keys) is not None for figs in record["loaders"].values())
+        if all(figure_at(figs, keys) is not None for figs in record["loaders"].values())
     ]
     figure = figure_class()(figsize=(3.2 * len(panels), 4.6), layout="constrained")
     axes = figure.subplots(1, len(panels), squeeze=False)[0]
     names = list(record["loaders"])
     for ax, (heading, keys, scale, template) in zip(axes, panels):
-        values = [_value(record["loaders"][name], keys) * scale for name in names]
+        values = [figure_at(record["loaders"][name], keys) * scale for name in names]
         bars = ax.bar(names, values, color=[_colour(name) for name in names])
         ax.bar_label(bars, [template.format(v) for v in values], fontsize=8)
         ax.set_title(heading, fontsize=9)
@@ -66,13 +67,6 @@ def write(record: dict[str, Any], path: Path) -> None:
         "\n".join(line for part in text for line in textwrap.wrap(part, WRAP)), fontsize=8
     )
     figure.savefig(path, dpi=DPI)
-
-
-def _value(figs: dict[str, Any], keys: tuple[str, ...]) -> Any:
-    value: Any = figs
-    for key in keys:
-        value = value.get(key) if value else None
-    return value
 
 
 def write_throughput(document: dict[str, Any], out: Path, sweep: str) -> list[Path]:
