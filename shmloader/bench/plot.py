@@ -97,16 +97,8 @@ def train_chart(document: dict[str, Any]) -> Any:
         figsize=(max(1.6 * len(runs) * len(names) / 2, MIN_WIDTH), 4.6), layout="constrained"
     )
     ax = figure.subplots()
-    width = 0.8 / len(names)
     for k, name in enumerate(names):
-        positions = [i + (k - (len(names) - 1) / 2) * width for i in range(len(runs))]
-        bars = ax.bar(
-            positions,
-            [run["rows"][name]["of_ideal"] for run in runs],
-            width,
-            label=name,
-            color=_colour(name),
-        )
+        bars = _bars(ax, k, len(names), name, [run["rows"][name]["of_ideal"] for run in runs])
         ax.bar_label(
             bars, [f"{run['rows'][name]['steps_per_s']:.3g}/s" for run in runs], fontsize=7
         )
@@ -122,6 +114,14 @@ def train_chart(document: dict[str, Any]) -> Any:
         document["machine"],
     )
     return figure
+
+
+def _bars(ax: Any, k: int, count: int, name: str, heights: list[float]) -> Any:
+    """Series `name`'s bars, the k-th of `count` side by side in each group, a group per
+    height."""
+    width = 0.8 / count
+    positions = [i + (k - (count - 1) / 2) * width for i in range(len(heights))]
+    return ax.bar(positions, heights, width, label=LABELS.get(name, name), color=_colour(name))
 
 
 def _series(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -162,17 +162,9 @@ def throughput_chart(document: dict[str, Any]) -> Any:
 def _bar_group(ax: Any, runs: list[dict[str, Any]]) -> None:
     """Side by side for each run of one workload: a bar per loader, then the limit's."""
     names = list(_series(runs[0]))
-    width = 0.8 / len(names)
     for k, name in enumerate(names):
         figs = [_series(run)[name] for run in runs]
-        positions = [i + (k - (len(names) - 1) / 2) * width for i in range(len(runs))]
-        bars = ax.bar(
-            positions,
-            [f["samples_per_s"] for f in figs],
-            width,
-            label=LABELS.get(name, name),
-            color=_colour(name),
-        )
+        bars = _bars(ax, k, len(names), name, [f["samples_per_s"] for f in figs])
         if name != LIMIT:
             ax.bar_label(bars, [f"{f['fraction_of_limit']:.0%}" for f in figs], fontsize=7)
     ax.set_xticks(
