@@ -121,7 +121,7 @@ class Arena:
 
     def __init__(self, memory, storage: torch.UntypedStorage, reserve: int = 0):
         """`reserve`: bytes at the slot's end that only the metadata may use
-        (it carries the worker's state, see _resume.STATE_BYTES)."""
+        (it carries the worker's state, see _worker_state.STATE_BYTES)."""
         self._memory = memory  # SlotMemory: keeps the mapping alive
         self._storage = storage
         self._base = storage.data_ptr()

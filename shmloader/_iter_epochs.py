@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._next_epoch import PrefetchedEpoch, can_prefetch
-from ._resume import Progress, replay_message, sampler_state
+from ._resume import replay_message, sampler_state
+from ._resume_progress import Progress
 from ._seeding import positions_in
 
 if TYPE_CHECKING:

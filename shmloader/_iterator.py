@@ -57,9 +57,9 @@ from ._iter_receive import Receiver, discard, kind
 from ._iter_ring import RingKeeper
 from ._pool import WorkerDied, WorkerPool
 from ._protocol import Probe, Resume, Rows, Task
-from ._resume import STATE_BYTES, carries_state
 from ._seeding import countable
 from ._warn import DeferredWarnings, init_as_torch
+from ._worker_state import STATE_BYTES, carries_state
 
 # What _process_data returns for a batch fetched again after a resume and dropped.
 _REPLAYED = object()

@@ -34,16 +34,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from ._user_objects import attribute
+
 _PRIMITIVES = (int, float, str, bool, bytes, type(None))
-
-
-def attribute(obj, name):
-    """obj.name, or None where it has none: a __getattr__ may raise anything
-    for a name it does not know (a KeyError, from a dict it reads)."""
-    try:
-        return getattr(obj, name)
-    except Exception:  # noqa: BLE001 - see above
-        return None
 
 
 def loader_samplers(loader):

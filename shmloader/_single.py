@@ -12,17 +12,12 @@ import torch
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
 from ._cuda import DeviceStage
-from ._next_epoch import attribute
-from ._resume import (
-    Progress,
-    own_state_copy,
-    replay_message,
-    restore_worker_rng,
-    sampler_state,
-    worker_snapshot,
-)
+from ._resume import replay_message, sampler_state
+from ._resume_progress import Progress
 from ._seeding import Samples, countable, positions_in
+from ._user_objects import attribute
 from ._warn import DeferredWarnings
+from ._worker_state import own_state_copy, restore_worker_rng, worker_snapshot
 
 
 class SingleProcessIter(_SingleProcessDataLoaderIter):

@@ -17,7 +17,7 @@ descriptor) until none is left.
 
 The messages both ways, and what each field holds: see _protocol.py.
 
-A whole batch carries the worker's state after it (see _resume.py), in its
+A whole batch carries the worker's state after it (see _worker_state.py), in its
 slot's metadata or its pipe message, unless nothing in it can differ
 (seed_per_sample over a map-style dataset).
 
@@ -53,7 +53,6 @@ from . import _layout, _one_off
 from ._arena import Arena, SlotCollate, slot_bytes_needed
 from ._errors import SharedMemoryError
 from ._malloc import keep_freed_memory
-from ._next_epoch import attribute
 from ._protocol import (
     EXIT,
     MEASURE,
@@ -74,18 +73,19 @@ from ._protocol import (
     Stop,
     from_main,
 )
-from ._resume import (
+from ._ring import Ring, SlotMemory
+from ._sample_layout import SampleLayout
+from ._seeding import Samples
+from ._segment import shm_full_message, transport_shm_full_message
+from ._user_objects import attribute
+from ._worker_exit import exit_now, orphaned, set_exit_handlers
+from ._worker_state import (
     STATE_BYTES,
     carries_state,
     plain_worker_state,
     restore_worker_rng,
     worker_snapshot,
 )
-from ._ring import Ring, SlotMemory
-from ._sample_layout import SampleLayout
-from ._seeding import Samples
-from ._segment import shm_full_message, transport_shm_full_message
-from ._worker_exit import exit_now, orphaned, set_exit_handlers
 
 # Without pidfds: how often a waiting worker checks that its main process lives.
 WATCHDOG_INTERVAL = 1.0

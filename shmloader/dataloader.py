@@ -23,7 +23,9 @@ from ._cuda import check_device
 from ._foreign_state import foreign_state
 from ._iterator import IterableShmLoaderIter, ShmLoaderIter
 from ._rebuild import options
-from ._resume import Progress, Resume, check_state, state_dict
+from ._resume import Resume
+from ._resume_check import check_state
+from ._resume_progress import Progress, state_dict
 from ._ring import MAX_SLOTS
 from ._ring_memory import RingHandover
 from ._single import SingleProcessIter

@@ -38,7 +38,7 @@ commit 0455b9e):
     epoch's worker states to the new workers, which load_state_dict their datasets at the
     end of their shards (_worker.py _run): the next epoch is empty.
   * stateful_sampler_* at end{E}: state_dict() writes sampler_state=None for a finished
-    epoch (_resume.py state_dict), so a fresh sampler restarts its own count.
+    epoch (_resume_progress.py state_dict), so a fresh sampler restarts its own count.
   * stateful_batch_sampler_eager_*: the sampler's state is taken (Progress.epoch_begins)
     after iter(index_sampler) ran (_iterator.py _reset after super()._reset;
     _single.py after super().__init__), so a sampler doing its work in __iter__ (not a
@@ -851,7 +851,7 @@ def test_a_workers_overtaken_batch_leaves_its_later_state():
     pipe message): the state kept is the one after the later batch, or a resume fetches
     the later batch again."""
     import shmloader
-    from shmloader._resume import Progress
+    from shmloader._resume_progress import Progress
 
     loader = shmloader.DataLoader(_RandomStream(), batch_size=2, num_workers=2, in_order=False)
     progress = Progress()

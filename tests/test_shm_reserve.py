@@ -130,7 +130,7 @@ def _epochs(loader, epochs=2):
 def test_a_default_ring_short_of_memory_shrinks_and_every_batch_comes(monkeypatch, fetch):
     """Memory (here SHMLOADER_SHM_LIMIT) for 7 of the default ring's 8 slots (2 workers,
     prefetch 2): a ring of 7; it says so once, and the batches are torch's."""
-    from shmloader._resume import STATE_BYTES  # (a slot's room for a worker's state)
+    from shmloader._worker_state import STATE_BYTES  # (a slot's room for a worker's state)
 
     monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(7 * _page_rounded(SLOT + STATE_BYTES)))
     kw = dict(batch_size=4, num_workers=2)
@@ -172,7 +172,7 @@ def test_memory_short_of_the_batches_in_flight_is_an_error_naming_the_bytes(
 def test_the_ring_full_warning_still_comes_after_an_epoch_short_of_memory(monkeypatch):
     """The smaller-ring warning stands in for the ring-full one only while the ring is
     smaller: a later whole ring that the loop fills says so."""
-    from shmloader._resume import STATE_BYTES
+    from shmloader._worker_state import STATE_BYTES
 
     monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(7 * _page_rounded(SLOT + STATE_BYTES)))
     loader = DataLoader(
