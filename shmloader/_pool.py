@@ -28,7 +28,8 @@ from ._errors import WorkerDied
 from ._protocol import EXIT, NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT, RingFds, from_worker
 from ._segment import address_space_limit
 from ._warn import warn_as_torch_worker_start
-from ._worker import WorkerConfig, worker_loop
+from ._worker import worker_loop
+from ._worker_config import WorkerConfig
 
 # Like torch's MP_STATUS_CHECK_INTERVAL: how long shutdown waits for workers
 # to exit on their own before terminating them.

@@ -1,6 +1,6 @@
 """What a loader did: always on, a handful of additions per batch and no
 system call.  Workers count their own busy time, samples and bytes in the
-ring's header (see _worker._Busy); a snapshot reads them there."""
+ring's header (see _worker_slots.WorkerCounters); a snapshot reads them there."""
 
 from __future__ import annotations
 

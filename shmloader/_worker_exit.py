@@ -1,4 +1,6 @@
-"""How a worker process leaves when it cannot return from its loop.
+"""How a worker process leaves when it cannot return from its loop: the
+main process gone, or the ring out of its reach (exit statuses the main
+process reads, see _protocol.NO_RING_FDS_EXIT).
 
 multiprocessing's exit handlers remove the temp dir a process made (torch's fd
 sharing makes one, for a socket, once a batch goes by torch's transport).  An
@@ -13,8 +15,11 @@ from __future__ import annotations
 import os
 import shutil
 from multiprocessing import process
+from typing import NoReturn
 
 from torch.utils.data._utils import signal_handling
+
+from ._protocol import NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT
 
 # multiprocessing's temp dir as the worker started: the main process's, if it
 # had made one (a child inherits it), which is the main process's to remove.
@@ -40,13 +45,36 @@ def remove_own_temp_dir() -> None:
         shutil.rmtree(tempdir, ignore_errors=True)
 
 
-def exit_now(status: int) -> None:
+def exit_now(status: int) -> NoReturn:
     remove_own_temp_dir()
     os._exit(status)
 
 
-def orphaned() -> None:
+def orphaned() -> NoReturn:
     """The main process is gone: leave at once.  The kernel closes the fds
     and unmaps the ring, and multiprocessing's exit path could block:
     flushing stdio into a pipe nobody reads any more, joining threads."""
     exit_now(0)
+
+
+class NoRingFds(Exception):
+    """The ring's fds did not all arrive with their message, or could not be
+    duplicated to map it."""
+
+
+class NoRingMapping(Exception):
+    """The ring could not be mapped: no address space left for it."""
+
+
+def without_ring(worker_id: int, error: NoRingFds | NoRingMapping) -> NoReturn:
+    """Leave, saying why on stderr, with the exit status by which the main
+    process names the cause (_pool._exit_description)."""
+    if isinstance(error, NoRingFds):
+        os.write(
+            2,
+            f"shmloader worker {worker_id}: the ring's file descriptors did not "
+            f"arrive ({error}): too many open files.\n".encode(),
+        )
+        exit_now(NO_RING_FDS_EXIT)
+    os.write(2, f"shmloader worker {worker_id}: could not map the ring ({error}).\n".encode())
+    exit_now(NO_RING_MAPPING_EXIT)

@@ -1003,3 +1003,23 @@ def test_an_interrupted_next_ends_its_iterator_instead_of_losing_a_batch(persist
     assert [b.tolist() for b in loader] == [[i, i + 1] for i in range(0, 20, 2)]
     del loader
     assert wait_gone(own_children(), HANG)[0] == []
+
+
+def test_the_liveness_check_both_watchers_use(monkeypatch):
+    """NOTE [worker: two watchers of the main process]: the inbox and the watchdog ask one
+    check whether the main process lives; a pidfd where the kernel has them, else is_alive,
+    which a process that is gone fails and one that lives (ours, or another user's) passes."""
+    from shmloader import _worker_watch
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert _worker_watch.is_alive(os.getpid()) and _worker_watch.is_alive(1)
+    assert not _worker_watch.is_alive(gone.pid)
+    if hasattr(os, "pidfd_open"):
+        fd = _worker_watch.open_pidfd(os.getpid())
+        assert fd is not None
+        os.close(fd)
+        with pytest.raises(ProcessLookupError):
+            _worker_watch.open_pidfd(gone.pid)
+        monkeypatch.delattr(os, "pidfd_open")
+    assert _worker_watch.open_pidfd(os.getpid()) is None

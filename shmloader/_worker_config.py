@@ -1,0 +1,29 @@
+"""What a worker process is started with: one WorkerConfig, made by the main
+process (_pool.py) and passed to worker_loop (_worker.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    dataset_kind: int
+    dataset: Any
+    auto_collation: bool
+    collate_fn: Callable | None  # the loader's, called as torch calls it (None too)
+    slot_collate: bool  # SlotCollate in its place (it is default_collate)
+    drop_last: bool
+    base_seed: int
+    init_fn: Callable | None
+    worker_id: int
+    num_workers: int
+    shared_seed: int | None
+    seed_per_sample: bool  # seed random/torch/numpy before each sample
+    assignment: str  # fetch="sample": "interleaved" or "dynamic"
+    measures_spills: bool  # slot_bytes=None: the slots grow to fit a spilled batch
+    resume_state: dict | None  # plain worker state to start from (load_state_dict)
+    manager_pid: int  # the main process: workers exit when it is gone
+    tasks: Any  # Connection (a socket: it also carries the ring's fds)
+    results: Any  # Connection
