@@ -9,7 +9,7 @@ from collections import deque
 from multiprocessing.connection import wait as wait_fds
 from typing import TYPE_CHECKING, Any
 
-from ._protocol import Error
+from ._protocol import ErrorReply
 from ._ring import SlotLease
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class Receiver:
         self._arrivals.extendleft(reversed(kept))
 
     def resumed(self, num_workers: int) -> list[tuple[int, Any]]:
-        """(worker_id, RNG state) of each worker's answer to a Resume,
+        """(worker_id, RNG state) of each worker's answer to a ResumeWorker,
         dropping the old epoch's results (a worker computes the old tasks
         still queued before the resume, as torch's do, so that the RNG draws
         match).  Every worker published or gave up its old tasks before it
@@ -177,7 +177,7 @@ class Receiver:
         del self._row_errors[task_id]
         payload.release()
         first = min(errors, key=lambda row: (errors[row].collating, row))
-        return task_id, Error._make(Error.wire(task_id, errors[first].wrapper, None))
+        return task_id, ErrorReply._make(ErrorReply.wire(task_id, errors[first].wrapper, None))
 
     def _acquire_all(self) -> list[SlotLease]:
         leases = []
@@ -224,7 +224,7 @@ def _wait_fds(fds, timeout):
 
 def kind(payload: Any) -> str:
     """A result is a worker's message, a record of _protocol.py (Batch,
-    Error, Stop, ...), or, for a batch in the ring, the SlotLease of its slot."""
+    ErrorReply, Stop, ...), or, for a batch in the ring, the SlotLease of its slot."""
     return "slot" if isinstance(payload, SlotLease) else payload.kind
 
 

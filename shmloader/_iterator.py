@@ -56,7 +56,7 @@ from ._iter_epochs import EpochPlanner
 from ._iter_receive import Receiver, discard, kind
 from ._iter_ring import RingKeeper
 from ._pool import WorkerDied, WorkerPool
-from ._protocol import Probe, Resume, Rows, Task
+from ._protocol import Probe, ResumeWorker, Rows, Task
 from ._seeding import countable
 from ._warn import DeferredWarnings, init_as_torch
 from ._worker_state import STATE_BYTES, carries_state
@@ -272,7 +272,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         the number of an epoch whose prefetched batches are dropped; workers
         that fetched some go back to their RNG state from before them."""
         for i in range(self._num_workers):
-            self._pool.send(i, Resume.wire(self._shared_seed, rewind))
+            self._pool.send(i, ResumeWorker.wire(self._shared_seed, rewind))
         for worker_id, rng_state in self._receiver.resumed(self._num_workers):
             self._epochs.progress.worker_resumed(worker_id, rng_state)
 

@@ -1,10 +1,12 @@
 """The messages between the main process and its workers, as typed records.
 
 Main -> worker, over the worker's task socket: RingFds, UseLayout, Task,
-Rows, Probe, Resume, and EXIT.  Worker -> main, over the worker's result
-pipe: Segment, Batch, Error, RowError, Described, Stop, Resumed.  A batch
-written into a ring slot sends no message at all: the slot is published on
-the ring (see _ring.pyx), and the main process takes it as a SlotLease.
+Rows, Probe, ResumeWorker, and EXIT.  Worker -> main, over the worker's
+result pipe: Segment, Batch, ErrorReply, RowError, Described, Stop,
+Resumed.  A batch written into a ring slot sends no message at all: the
+slot is published on the ring (see _ring.pyx), and the main process takes
+it as a SlotLease.  The records are replies, not exceptions: an error
+travels inside ErrorReply or RowError, wrapped as torch wraps it.
 
 On the wire every message is a plain tuple whose first item is its kind,
 built by its record's wire() and read back into the record by from_main()
@@ -106,7 +108,7 @@ class Rows(NamedTuple):
 class Probe(NamedTuple):
     """Main -> every worker, fetch="sample"'s first batch, before there is a
     ring: fetch your rows of it and keep them; the worker with row 0 answers
-    Described (or Error)."""
+    Described (or ErrorReply)."""
 
     kind: str
     task_id: int
@@ -120,9 +122,10 @@ class Probe(NamedTuple):
         return ("probe", task_id, index, epoch, position, capacity)
 
 
-class Resume(NamedTuple):
+class ResumeWorker(NamedTuple):
     """Main -> every worker, as a new epoch of persistent workers starts;
-    answered with Resumed once the old epoch's tasks are done."""
+    answered with Resumed once the old epoch's tasks are done.  (Not
+    _resume.Resume, a loaded state_dict().)"""
 
     kind: str
     shared_seed: int | None  # re-seeds an IterDataPipe's shared RNG
@@ -168,21 +171,22 @@ class Batch(NamedTuple):
     # what it takes in a slot where measured (NO_RING; SPILL with slot_bytes=None), else 0
     slot_bytes_needed: int
     samples: int
-    state: bytes | None  # the worker's state after it (see _resume.py), or None
+    state: bytes | None  # the worker's state after it (see _worker_state.py), or None
 
     @staticmethod
     def wire(task_id, reason, data, slot_bytes_needed, samples, state) -> tuple:
         return ("batch", task_id, reason, data, slot_bytes_needed, samples, state)
 
 
-class Error(NamedTuple):
-    """Worker -> main, for a Task or Probe that failed: its result is the error."""
+class ErrorReply(NamedTuple):
+    """Worker -> main, for a Task or Probe that failed: its result is the error
+    (a record on the wire; the exception is in its wrapper)."""
 
     kind: str
     task_id: int
     wrapper: ExceptionWrapper
     # the worker's state after it (an error is a yielded item: see
-    # _resume.py), or None
+    # _worker_state.py), or None
     state: bytes | None
 
     @staticmethod
@@ -231,7 +235,7 @@ class Stop(NamedTuple):
 
 
 class Resumed(NamedTuple):
-    """Worker -> main, answering Resume: where the worker's new epoch begins."""
+    """Worker -> main, answering ResumeWorker: where the worker's new epoch begins."""
 
     kind: str
     worker_id: int
@@ -249,12 +253,12 @@ _FROM_MAIN = {
     "task": Task._make,
     "rows": Rows._make,
     "probe": Probe._make,
-    "resume": Resume._make,
+    "resume": ResumeWorker._make,
 }
 _FROM_WORKER = {
     "segment": Segment._make,
     "batch": Batch._make,
-    "error": Error._make,
+    "error": ErrorReply._make,
     "row_error": RowError._make,
     "layout": Described._make,
     "stop": Stop._make,

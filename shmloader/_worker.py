@@ -36,7 +36,7 @@ import torch
 from torch.utils.data._utils import worker as torch_worker
 
 from ._malloc import keep_freed_memory
-from ._protocol import EXIT, Error
+from ._protocol import EXIT, ErrorReply
 from ._worker_batch import batch
 from ._worker_channels import Inbox, send
 from ._worker_config import WorkerConfig
@@ -118,7 +118,7 @@ def _answer(ctx: TaskContext, task, stale: bool) -> None:
         reply = ctx.give_back(task.slot)
     elif ctx.fetcher is None:
         ctx.give_back(task.slot)
-        reply = Error.wire(task.task_id, ctx.fetcher_error, None)
+        reply = ErrorReply.wire(task.task_id, ctx.fetcher_error, None)
     else:
         reply = batch(ctx, ctx.fetcher, task)
     if isinstance(reply, bytes):

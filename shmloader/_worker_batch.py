@@ -15,7 +15,7 @@ from torch.utils.data import _DatasetKind
 
 from . import _layout, _one_off
 from ._arena import slot_bytes_needed
-from ._protocol import MEASURE, NO_RING, NO_SLOT, RING_FULL, SPILL, Batch, Error, Segment, Stop
+from ._protocol import MEASURE, NO_RING, NO_SLOT, RING_FULL, SPILL, Batch, ErrorReply, Segment, Stop
 from ._worker_state import STATE_BYTES, worker_snapshot
 from ._worker_tasks import TaskContext
 
@@ -32,7 +32,7 @@ def batch(ctx: TaskContext, fetcher, task):
             arena = ctx.mapped.arena(slot, STATE_BYTES if ctx.snapshots else 0)
         except OSError as e:  # memory ran out since the ring was made
             ctx.give_back(slot)
-            return Error.wire(task_id, ctx.shm_full(e), None)
+            return ErrorReply.wire(task_id, ctx.shm_full(e), None)
     if ctx.slot_collate is not None:
         ctx.slot_collate.arena = arena
     try:
@@ -52,7 +52,7 @@ def batch(ctx: TaskContext, fetcher, task):
             return Stop.wire(task_id, worker_snapshot(None) if ctx.snapshots else None)
         # With the worker's state: the draws made before the error are
         # part of where a resume starts (an error is a yielded item).
-        return Error.wire(task_id, ctx.batch_error(e), ctx.snapshot())
+        return ErrorReply.wire(task_id, ctx.batch_error(e), ctx.snapshot())
     samples = ctx.collate_fn.samples
     state = ctx.snapshot()
     if (
@@ -102,7 +102,7 @@ def _unslotted(ctx: TaskContext, arena, slot, task_id, data, samples, state):
             )
         except OSError as e:  # no memory for it
             ctx.give_back(slot)
-            return Error.wire(task_id, ctx.shm_full(e), None)
+            return ErrorReply.wire(task_id, ctx.shm_full(e), None)
         except Exception:
             pass  # SlotFull, or something unpicklable: torch's path decides below
         else:
@@ -115,7 +115,7 @@ def _unslotted(ctx: TaskContext, arena, slot, task_id, data, samples, state):
             )
             return None
     needed = needed if measured else 0
-    reply: bytes | tuple  # Batch pickled, or Error
+    reply: bytes | tuple  # Batch pickled, or ErrorReply
     try:
         # Pickled here, not by the pipe, so that a batch that cannot be
         # pickled becomes this task's error instead of killing the worker;
@@ -126,7 +126,7 @@ def _unslotted(ctx: TaskContext, arena, slot, task_id, data, samples, state):
             arena.owns if arena is not None else None,
         )
     except Exception as e:
-        reply, shared_bytes = Error.wire(task_id, ctx.batch_error(e), None), 0
+        reply, shared_bytes = ErrorReply.wire(task_id, ctx.batch_error(e), None), 0
     ctx.give_back(slot)
     ctx.counters.add(
         ctx.mapped, samples, 1, len(reply) + shared_bytes if isinstance(reply, bytes) else 0

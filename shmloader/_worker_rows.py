@@ -17,7 +17,7 @@ from typing import Any
 
 from torch._utils import ExceptionWrapper
 
-from ._protocol import Described, Error, RowError
+from ._protocol import Described, ErrorReply, RowError
 from ._sample_layout import SampleLayout
 from ._worker_channels import send
 from ._worker_tasks import TaskContext
@@ -58,11 +58,11 @@ def probe(ctx: TaskContext, probe, error):
 
 def _describe(ctx: TaskContext, task_id, sample, capacity):
     if isinstance(sample, ExceptionWrapper):
-        return Error.wire(task_id, sample, None)
+        return ErrorReply.wire(task_id, sample, None)
     try:
         return Described.wire(task_id, SampleLayout(sample, capacity))
     except Exception:
-        return Error.wire(task_id, ExceptionWrapper(where=ctx.where), None)
+        return ErrorReply.wire(task_id, ExceptionWrapper(where=ctx.where), None)
 
 
 def _my_rows(ctx: TaskContext, task_id, slot, nrows, position, first_row, fetched):

@@ -19,7 +19,7 @@ from torch.utils.data.graph_settings import apply_random_seed
 
 from ._arena import SlotCollate
 from ._errors import SharedMemoryError
-from ._protocol import Resume, Resumed
+from ._protocol import Resumed, ResumeWorker
 from ._sample_layout import SampleLayout
 from ._seeding import Samples
 from ._segment import shm_full_message, transport_shm_full_message
@@ -113,7 +113,7 @@ class TaskContext:
         if cfg.resume_state is not None and "random" in cfg.resume_state:
             restore_worker_rng(cfg.resume_state)
 
-    def resume(self, msg: Resume) -> tuple:
+    def resume(self, msg: ResumeWorker) -> tuple:
         """A new epoch of persistent workers: a new fetcher, on the RNG states
         the old epoch's last tasks left.  Returns the Resumed reply."""
         self.iteration_end = False

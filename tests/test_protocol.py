@@ -16,12 +16,12 @@ TO_WORKER = [
     _protocol.Task,
     _protocol.Rows,
     _protocol.Probe,
-    _protocol.Resume,
+    _protocol.ResumeWorker,
 ]
 TO_MAIN = [
     Segment,
     _protocol.Batch,
-    _protocol.Error,
+    _protocol.ErrorReply,
     _protocol.RowError,
     _protocol.Described,
     _protocol.Stop,
