@@ -19,11 +19,6 @@ if TYPE_CHECKING:
 _INTERNAL_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.utils.data.__file__))
 
 
-class RingBypassedWarning(UserWarning):
-    """A framework is about to move a shmloader loader's batches by torch's
-    transport instead of shmloader's ring (and without its options)."""
-
-
 def warn(
     message: str, category: type[Warning] = UserWarning, also_past: tuple[str, ...] = ()
 ) -> None:

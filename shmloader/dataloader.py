@@ -20,6 +20,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from ._arena import changed_collation
 from ._cuda import check_device
+from ._errors import RingBypassedWarning
 from ._foreign_state import foreign_state
 from ._iterator import IterableShmLoaderIter, ShmLoaderIter
 from ._rebuild import options
@@ -30,7 +31,7 @@ from ._ring import MAX_SLOTS
 from ._ring_memory import RingHandover
 from ._single import SingleProcessIter
 from ._stats import Counters, LoaderStats
-from ._warn import RingBypassedWarning, check_workers_as_torch, warn
+from ._warn import check_workers_as_torch, warn
 
 # Set while shmloader.integrations.accelerate prepares a loader: Accelerate's
 # own preparation then goes on, and shmloader puts its loader back inside the
