@@ -22,8 +22,7 @@ import torch
 import torch.utils.data as tud
 
 from shmloader import DataLoader as ShmDataLoader
-from shmloader import WorkerDied
-from shmloader._sample_layout import SampleLayoutError
+from shmloader import SampleLayoutError, WorkerDied
 from tests import datasets as D
 from tests.datasets_lifecycle import Dying, Images, Sleepy
 from tests.procs import deadline, our_segments, own_children, wait_gone
