@@ -5,7 +5,7 @@ arriving back to back or far apart.
 
 bench.py reports 0.2-0.3 ms of main-process CPU per batch on the large workloads and
 0.06 ms on `tiny`, though the main process does the same few dozen Python steps per
-batch on every workload (see shmloader/_iterator.py). This separates the two things
+batch on every workload (see shmloader/_main/_iterator.py). This separates the two things
 that differ: how much memory the workers stream, and how long the main process sleeps
 between batches. The dataset returns the same small tensor for every index, with no
 copy, so the workers stream almost nothing; a sleep in one sample of each batch spaces

@@ -1,5 +1,5 @@
 """What resumability costs: state_dict() latency, and the per-batch price of the worker
-state every batch carries (see shmloader/_resume.py).
+state every batch carries (see shmloader/_features/_resume.py).
 
     python benchmarks/resume_cost.py [--quick]
 
@@ -24,7 +24,8 @@ import torch
 from workloads import PRESETS
 
 import shmloader
-from shmloader._resume import Progress, worker_snapshot
+from shmloader._features._resume_progress import Progress
+from shmloader._worker._state import worker_snapshot
 
 DEFAULT_OUT = report.RESULTS / "resume_cost.json"
 WORKERS = 2

@@ -1,6 +1,5 @@
 """shmloader: torch's DataLoader, with batches moved through shared-memory slots."""
 
-from . import _torch_api  # noqa: F401  (first: checks the torch internals used)
 from ._errors import (
     RingBypassedWarning,
     SampleLayoutError,
@@ -8,7 +7,8 @@ from ._errors import (
     ShmloaderError,
     WorkerDied,
 )
-from ._stats import LoaderStats
+from ._main import _torch_api  # noqa: F401  (first: checks the torch internals used)
+from ._main._stats import LoaderStats
 from .dataloader import DataLoader
 from .shared_list import SharedList
 

@@ -18,20 +18,20 @@ import torch.utils.data
 from torch.utils.data import Dataset, Sampler, _DatasetKind
 from torch.utils.data._utils.collate import default_collate
 
-from ._arena import changed_collation
-from ._cuda import check_device
 from ._errors import RingBypassedWarning
-from ._foreign_state import foreign_state
-from ._iterator import IterableShmLoaderIter, ShmLoaderIter
-from ._rebuild import options
-from ._resume import Resume
-from ._resume_check import check_state
-from ._resume_progress import Progress, state_dict
-from ._ring import MAX_SLOTS
-from ._ring_memory import RingHandover
-from ._single import SingleProcessIter
-from ._stats import Counters, LoaderStats
-from ._warn import check_workers_as_torch, warn
+from ._features._cuda import check_device
+from ._features._foreign_state import foreign_state
+from ._features._rebuild import options
+from ._features._resume import Resume
+from ._features._resume_check import check_state
+from ._features._resume_progress import Progress, state_dict
+from ._main._iterator import IterableShmLoaderIter, ShmLoaderIter
+from ._main._ring_memory import RingHandover
+from ._main._single import SingleProcessIter
+from ._main._stats import Counters, LoaderStats
+from ._main._warn import check_workers_as_torch, warn
+from ._shm._ring import MAX_SLOTS
+from ._worker._arena import changed_collation
 
 # Set while shmloader.integrations.accelerate prepares a loader: Accelerate's
 # own preparation then goes on, and shmloader puts its loader back inside the

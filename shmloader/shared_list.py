@@ -39,9 +39,9 @@ from itertools import accumulate, islice
 from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import ClassVar
 
-from . import _memory
 from ._errors import SharedMemoryError
-from ._segment import SHM_DIR
+from ._shm import _memory
+from ._shm._segment import SHM_DIR
 
 _MAGIC = b"shmlist1"
 _HEADER = struct.Struct("=8sQQ")  # magic, entry count, data bytes

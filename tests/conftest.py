@@ -5,7 +5,7 @@ import signal
 import pytest
 from hypothesis import settings
 
-from shmloader import _layout
+from shmloader._shm import _layout
 from tests.procs import HANG_TIMEOUT_S, rearm_hang_guard
 
 # A suite started in the background by a non-interactive shell (`pytest ... &`, as a CI

@@ -1,4 +1,4 @@
-"""The GPU path (shmloader/_cuda.py): what runs without a GPU runs everywhere (the slot
+"""The GPU path (shmloader/_features/_cuda.py): what runs without a GPU runs everywhere (the slot
 fences behind a fake fence, registration against a fake CUDA runtime, device=
 handling), and the CUDA tests run where CUDA is."""
 
@@ -12,8 +12,9 @@ from torch.utils.data import TensorDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 import shmloader
-from shmloader import _cuda, _torch_api
-from shmloader._ring import FREE, READING, Ring
+from shmloader._features import _cuda
+from shmloader._main import _torch_api
+from shmloader._shm._ring import FREE, READING, Ring
 
 
 def needs_cuda(test):

@@ -28,7 +28,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from shmloader import DataLoader as ShmDataLoader
-from shmloader import _torch_api
+from shmloader._main import _torch_api
 from tests import datasets as D
 from tests.procs import wait_until
 
@@ -1261,7 +1261,7 @@ def test_torchs_warnings_are_attributed_as_torchs(case, module_filter):
 
 def _torch_gives_no_warning(case):
     """Whether the installed torch has no warning for `case` (read off its code, as
-    shmloader/_torch_api.py does): torch 2.6 warns neither that pin_memory finds no
+    shmloader/_main/_torch_api.py does): torch 2.6 warns neither that pin_memory finds no
     accelerator nor of a pickle error as a worker starts."""
     init = torch.utils.data.dataloader._BaseDataLoaderIter.__init__
     if case == "pin-memory":

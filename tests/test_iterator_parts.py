@@ -8,17 +8,17 @@ import pytest
 import torch
 
 import shmloader
-from shmloader import _layout
-from shmloader._arena import Arena
-from shmloader._dispatch_record import DispatchRecord
-from shmloader._iter_deliver import Delivery
-from shmloader._iter_epochs import EpochPlanner
-from shmloader._iter_receive import Receiver
-from shmloader._iter_ring import RingKeeper
-from shmloader._protocol import MEASURE, NO_SLOT
-from shmloader._ring_memory import RingHandover
-from shmloader._stats import Counters
-from shmloader._warn import DeferredWarnings
+from shmloader._main._dispatch_record import DispatchRecord
+from shmloader._main._iter_deliver import Delivery
+from shmloader._main._iter_epochs import EpochPlanner
+from shmloader._main._iter_receive import Receiver
+from shmloader._main._iter_ring import RingKeeper
+from shmloader._main._ring_memory import RingHandover
+from shmloader._main._stats import Counters
+from shmloader._main._warn import DeferredWarnings
+from shmloader._shm import _layout
+from shmloader._worker._arena import Arena
+from shmloader._worker._protocol import MEASURE, NO_SLOT
 
 # ---- DispatchRecord ----------------------------------------------------------
 

@@ -20,8 +20,9 @@ import pytest
 import torch
 import torch.utils.data as tud
 
-from shmloader import DataLoader, WorkerDied, _torch_api
-from shmloader._ring import CLAIMED
+from shmloader import DataLoader, WorkerDied
+from shmloader._main import _torch_api
+from shmloader._shm._ring import CLAIMED
 from tests.datasets_lifecycle import Dying, Failing, Images, Sleepy
 from tests.procs import (
     describe_stuck,
@@ -705,8 +706,8 @@ def test_resource_limits_give_errors_that_name_them(limit):
 
 
 def test_a_worker_that_cannot_map_the_ring_names_the_address_space_limit():
-    from shmloader._pool import _exit_description
-    from shmloader._protocol import NO_RING_MAPPING_EXIT
+    from shmloader._main._pool import _exit_description
+    from shmloader._worker._protocol import NO_RING_MAPPING_EXIT
 
     class Exited:
         exitcode = NO_RING_MAPPING_EXIT
@@ -1009,7 +1010,7 @@ def test_the_liveness_check_both_watchers_use(monkeypatch):
     """NOTE [worker: two watchers of the main process]: the inbox and the watchdog ask one
     check whether the main process lives; a pidfd where the kernel has them, else is_alive,
     which a process that is gone fails and one that lives (ours, or another user's) passes."""
-    from shmloader import _worker_watch
+    from shmloader._worker import _watch as _worker_watch
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

@@ -43,9 +43,9 @@ from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 from shmloader import DataLoader as ShmDataLoader
-from shmloader import _layout
-from shmloader._arena import Arena
-from shmloader._ring import Ring
+from shmloader._shm import _layout
+from shmloader._shm._ring import Ring
+from shmloader._worker._arena import Arena
 from tests import datasets as D
 from tests.procs import rearm_hang_guard
 

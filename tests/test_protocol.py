@@ -1,4 +1,4 @@
-"""The messages between the main process and its workers (shmloader/_protocol.py): every
+"""The messages between the main process and its workers (shmloader/_worker/_protocol.py): every
 record's wire() builds a plain tuple (pickle's fast path) that the receiving side reads back
 into that record, field for field."""
 
@@ -7,8 +7,8 @@ import pickle
 
 import pytest
 
-from shmloader import _protocol
-from shmloader._protocol import Segment, from_main, from_worker
+from shmloader._worker import _protocol
+from shmloader._worker._protocol import Segment, from_main, from_worker
 
 TO_WORKER = [
     _protocol.RingFds,

@@ -7,7 +7,7 @@ import torch
 import torch.utils.data as tud
 
 from shmloader import DataLoader
-from shmloader._rebuild import options, torch_arguments
+from shmloader._features._rebuild import options, torch_arguments
 from tests import datasets as D
 
 CASES = {

@@ -36,7 +36,7 @@ commit 0455b9e):
     the next permutation comes from a generator one draw ahead.
   * iterable_stateful_w2_persistent at end{E}: Resume.worker_state hands the finished
     epoch's worker states to the new workers, which load_state_dict their datasets at the
-    end of their shards (_worker.py _run): the next epoch is empty.
+    end of their shards (_worker/_loop.py): the next epoch is empty.
   * stateful_sampler_* at end{E}: state_dict() writes sampler_state=None for a finished
     epoch (_resume_progress.py state_dict), so a fresh sampler restarts its own count.
   * stateful_batch_sampler_eager_*: the sampler's state is taken (Progress.epoch_begins)
@@ -44,7 +44,7 @@ commit 0455b9e):
     _single.py after super().__init__), so a sampler doing its work in __iter__ (not a
     generator function) resumes one (num_workers=0) or two (num_workers=2) epochs ahead.
   * iterable_replay_w2*: replaying an IterableDataset without state_dict() still restores
-    each worker's RNG to its state after batch k (_worker.py _run, restore_rng), so the
+    each worker's RNG to its state after batch k (_worker/_loop.py, restore_worker_rng), so the
     replayed batches advance it again and every augmentation after the resume differs.
   * shuffle_gen_w2_prefetch_next_epoch: AssertionError in _try_put_index (_iterator.py
     "assert self._tasks_outstanding < max_tasks"): _adopt_next_epoch tops the tasks in
@@ -57,7 +57,7 @@ commit 0455b9e):
   * iterable_stateful_w2_persistent at e1k1: likewise, worker 1's state held its dataset's
     state from the end of epoch 0, so the resumed worker started its shard at the end.
   * iterable_stateful_* at e0k0: the replay warning (that the dataset lacks state_dict())
-    although it has one; the replay warning also points into shmloader/_iterator.py.
+    although it has one; the replay warning also points into shmloader/_main/_iterator.py.
 """
 
 import collections
@@ -256,7 +256,7 @@ def test_replay_warns(matrix, name):
             elsewhere[point] = [f for _, f in found]
     assert not missing, f"no replay warning at {missing}"
     # Fails at the time of writing: warn_replay (_resume.py) uses a fixed stacklevel=4, which
-    # points into shmloader/_iterator.py (num_workers=2: the self._reset(...) line of
+    # points into shmloader/_main/_iterator.py (num_workers=2: the self._reset(...) line of
     # ShmLoaderIter.__init__) or a dataloader.py (num_workers=0), not at the user's code;
     # _iterator.py's _warn() walks past shmloader's and torch's frames for its warnings.
     assert not elsewhere, f"replay warning points at {elsewhere}"
@@ -851,7 +851,7 @@ def test_a_workers_overtaken_batch_leaves_its_later_state():
     pipe message): the state kept is the one after the later batch, or a resume fetches
     the later batch again."""
     import shmloader
-    from shmloader._resume_progress import Progress
+    from shmloader._features._resume_progress import Progress
 
     loader = shmloader.DataLoader(_RandomStream(), batch_size=2, num_workers=2, in_order=False)
     progress = Progress()

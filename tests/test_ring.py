@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from shmloader import _ring
-from shmloader._ring import Ring
+from shmloader._shm import _ring
+from shmloader._shm._ring import Ring
 
 
 def _our_names():
@@ -381,7 +381,7 @@ def test_a_forked_child_dropping_a_lease_leaves_the_slot_to_its_owner():
 def test_misaligned_slot_reference_is_refused():
     """Found by the decoder fuzz: a complex128 view at an odd offset made torch's vector
     loads fault.  A reference off its dtype's alignment is an error, not a view."""
-    from shmloader import _layout
+    from shmloader._shm import _layout
 
     ring = Ring.create_in("/dev/shm", 1, 4096)
     slot = ring.claim()
@@ -406,7 +406,7 @@ def test_leaves_sharing_a_storage_reference_share_it_and_stay_inside_it():
     """References naming one (offset, size) storage decode to views of one storage object;
     a reference reaching past that storage, or before it, or a storage past the slot, is an
     error, not a read."""
-    from shmloader import _layout
+    from shmloader._shm import _layout
 
     ring = Ring.create_in("/dev/shm", 1, 4096)
     slot = ring.claim()
@@ -444,7 +444,7 @@ def test_small_leaf_reference_reads_only_its_slot(alone):
     """A small leaf alone on its bytes is copied out of its slot, and a leaf sharing them is
     a view: either holds the slot's bytes, and a reference reaching past the slot is an
     error, not a read."""
-    from shmloader import _layout
+    from shmloader._shm import _layout
 
     ring = Ring.create_in("/dev/shm", 1, 4096)
     slot = ring.claim()

@@ -15,7 +15,7 @@ import torch
 import torch.utils.data as tud
 
 from shmloader import DataLoader, SharedMemoryError
-from shmloader._ring import Ring
+from shmloader._shm._ring import Ring
 from tests.datasets_lifecycle import Images
 from tests.procs import HANG_TIMEOUT_S, deadline, preload_library
 
@@ -130,7 +130,7 @@ def _epochs(loader, epochs=2):
 def test_a_default_ring_short_of_memory_shrinks_and_every_batch_comes(monkeypatch, fetch):
     """Memory (here SHMLOADER_SHM_LIMIT) for 7 of the default ring's 8 slots (2 workers,
     prefetch 2): a ring of 7; it says so once, and the batches are torch's."""
-    from shmloader._worker_state import STATE_BYTES  # (a slot's room for a worker's state)
+    from shmloader._worker._state import STATE_BYTES  # (a slot's room for a worker's state)
 
     monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(7 * _page_rounded(SLOT + STATE_BYTES)))
     kw = dict(batch_size=4, num_workers=2)
@@ -172,7 +172,7 @@ def test_memory_short_of_the_batches_in_flight_is_an_error_naming_the_bytes(
 def test_the_ring_full_warning_still_comes_after_an_epoch_short_of_memory(monkeypatch):
     """The smaller-ring warning stands in for the ring-full one only while the ring is
     smaller: a later whole ring that the loop fills says so."""
-    from shmloader._worker_state import STATE_BYTES
+    from shmloader._worker._state import STATE_BYTES
 
     monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(7 * _page_rounded(SLOT + STATE_BYTES)))
     loader = DataLoader(
@@ -199,7 +199,7 @@ def test_memory_is_checked_against_the_memory_cgroup(monkeypatch, tmp_path):
     """The room is the tightest of MemAvailable and each memory cgroup's limit less its
     usage, read from a cgroup tree like the kernel's (v2 here, v1 in the next test); the
     page cache in that usage (file LRU lists, not shmem) counts as room."""
-    from shmloader import _memory
+    from shmloader._shm import _memory
 
     group = tmp_path / "kubepods" / "pod1"
     group.mkdir(parents=True)
@@ -223,7 +223,7 @@ def test_memory_is_checked_against_the_memory_cgroup(monkeypatch, tmp_path):
 
 
 def test_memory_is_checked_against_a_v1_memory_cgroup(monkeypatch, tmp_path):
-    from shmloader import _memory
+    from shmloader._shm import _memory
 
     group = tmp_path / "memory" / "docker" / "abc"
     group.mkdir(parents=True)
@@ -337,7 +337,8 @@ def test_a_new_loader_after_training_in_a_64_mb_dev_shm():
 
 REAL_CGROUP_SCRIPT = """
 import os, sys
-from shmloader import DataLoader, _memory
+from shmloader import DataLoader
+from shmloader._shm import _memory
 from tests.datasets_lifecycle import Images
 
 # Fill this cgroup to its limit with page cache: a dataset's files, read once.
@@ -360,7 +361,7 @@ def test_page_cache_in_a_real_memory_cgroup_leaves_room_for_the_ring(tmp_path):
     """A training process in a real memory cgroup (640 MB, as a container's) whose usage
     is mostly the page cache of the files it read still gets its 32 MB ring: the kernel
     drops that cache for it.  (Counted as used, the room was near 0: SharedMemoryError.)"""
-    from shmloader import _memory
+    from shmloader._shm import _memory
 
     dirs = [(version, mount, path) for version, mount, path in _memory._cgroup_dirs()]
     if not dirs or os.geteuid() != 0:

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from shmloader import DataLoader, SharedMemoryError, _layout, _slot_rules
+from shmloader import DataLoader, SharedMemoryError
+from shmloader._shm import _layout, _slot_rules
 from tests import datasets as D
 from tests.datasets_lifecycle import Buckets, Images
 from tests.procs import wait_gone
@@ -999,8 +1000,8 @@ def test_numpy_integers_are_accepted_as_slot_sizes_and_counts():
 def test_ring_sizing_counts_the_metadata_of_many_leaves():
     """The first batches size the ring, their metadata included: a batch of thousands of
     small leaves (whose references outweigh their bytes) fits the slot its measure asks for."""
-    from shmloader._arena import Arena, slot_bytes_needed
-    from shmloader._ring import Ring
+    from shmloader._shm._ring import Ring
+    from shmloader._worker._arena import Arena, slot_bytes_needed
 
     batch = D.many_leaves_collate([(0, None)])
     needed = slot_bytes_needed(batch)

@@ -1,5 +1,5 @@
 """The torch internals shmloader relies on are checked once, at import, and
-named with the torch version where one is missing (shmloader/_torch_api.py)."""
+named with the torch version where one is missing (shmloader/_main/_torch_api.py)."""
 
 import ast
 import re
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shmloader import DataLoader, _torch_api
+from shmloader import DataLoader
+from shmloader._main import _torch_api
 from tests.datasets_lifecycle import Images
 
 PACKAGE = Path(__file__).parent.parent / "shmloader"

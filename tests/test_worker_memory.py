@@ -1,4 +1,4 @@
-"""Workers keep the memory of freed samples (shmloader/_malloc.py): a block that
+"""Workers keep the memory of freed samples (shmloader/_worker/_malloc.py): a block that
 glibc would otherwise map afresh and unmap for every sample comes from the heap,
 so no batch pays page faults for memory the previous one gave back."""
 

@@ -16,7 +16,7 @@ One thing is not left to chance: whether malloc hands a batch's freed samples ba
 the kernel, to be faulted in again, page by page, by the next batch's. That depends on
 what else happens to lie at the top of the heap (this loop, left alone, lost it on every
 batch and ran at a fifth of its speed on 12 MB samples). The limit's workers therefore
-tell malloc to keep freed memory, as shmloader's workers do (shmloader/_malloc.py);
+tell malloc to keep freed memory, as shmloader's workers do (shmloader/_worker/_malloc.py);
 torch's workers leave malloc as it is.
 """
 
@@ -30,10 +30,10 @@ import torch
 from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
-from .._arena import streams_rows
-from .._malloc import keep_freed_memory
-from .._ring import Ring, copy_stream
-from .._ring_memory import SHM_DIR
+from .._shm._ring import Ring, copy_stream
+from .._shm._segment import SHM_DIR
+from .._worker._arena import streams_rows
+from .._worker._malloc import keep_freed_memory
 from .errors import BenchmarkError
 from .measure import Epoch, Spec, consume
 

@@ -20,7 +20,7 @@ import torch.utils.data
 from accelerate.data_loader import DataLoaderAdapter
 from accelerate.data_loader import skip_first_batches as _accelerate_skip_first_batches
 
-from .._rebuild import options, torch_arguments
+from .._features._rebuild import options, torch_arguments
 from ..dataloader import DataLoader, preparing_for_ring
 
 

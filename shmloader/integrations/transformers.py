@@ -22,7 +22,7 @@ import contextlib
 import torch.utils.data
 import transformers
 
-from .._rebuild import OPTIONS, torch_arguments
+from .._features._rebuild import OPTIONS, torch_arguments
 from ..dataloader import DataLoader
 from .accelerate import prepare_data_loader, skip_first_batches
 

@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from ._user_objects import attribute
+from .._worker._user_objects import attribute
 
 _PRIMITIVES = (int, float, str, bool, bytes, type(None))
 

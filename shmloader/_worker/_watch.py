@@ -21,7 +21,7 @@ import select
 import threading
 import time
 
-from ._worker_exit import orphaned
+from ._exit import orphaned
 
 # Without pidfds: how often a worker checks that its main process lives.
 WATCHDOG_INTERVAL = 1.0

@@ -35,11 +35,11 @@ from torch.utils.data._utils.collate import (
     default_collate_err_msg_format,
 )
 
-from . import _layout
+from .._errors import SampleLayoutError
+from .._shm import _layout
+from .._shm._ring import copy_stream
+from .._shm._slot_rules import collate_may_refuse
 from ._arena import aligned
-from ._errors import SampleLayoutError
-from ._ring import copy_stream
-from ._slot_rules import collate_may_refuse
 
 
 class _Field:

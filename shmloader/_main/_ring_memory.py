@@ -10,12 +10,12 @@ import threading
 import weakref
 from dataclasses import dataclass
 
-from . import _fork, _memory
-from ._errors import SharedMemoryError
-from ._ring import CLAIMED, Ring
-from ._sample_layout import SampleLayout
-from ._segment import SHM_DIR as SHM_DIR  # (shmloader/bench/limit.py reads it here)
-from ._segment import new_segment, ring_bytes_message
+from .._errors import SharedMemoryError
+from .._shm import _memory
+from .._shm._ring import CLAIMED, Ring
+from .._shm._segment import new_segment, ring_bytes_message
+from .._worker._sample_layout import SampleLayout
+from . import _fork
 
 # Optional cap, in bytes, on one ring's shared memory: a ring that would be
 # larger fails at start.

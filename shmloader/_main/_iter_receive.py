@@ -9,13 +9,13 @@ from collections import deque
 from multiprocessing.connection import wait as wait_fds
 from typing import TYPE_CHECKING, Any
 
-from ._protocol import ErrorReply
-from ._ring import SlotLease
+from .._shm._ring import SlotLease
+from .._worker._protocol import ErrorReply
 
 if TYPE_CHECKING:
+    from .._worker._protocol import RowError
     from ._iter_ring import RingKeeper
     from ._pool import WorkerPool
-    from ._protocol import RowError
     from ._stats import Counters
 
 # An arrival: (task id, result), or (None, a worker's Resumed answer).

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     from torch._utils import ExceptionWrapper
 
-    from ._ring import SlotLease
+    from .._shm._ring import SlotLease
     from ._sample_layout import SampleLayout
 
 # A Task's slot when it has no slot of the ring (slot numbers are >= 0):

@@ -12,9 +12,9 @@ import random
 import numpy as np
 import torch
 
+from .._worker._state import UnsavedState, own_state_copy, restore_worker_rng
 from ._next_epoch import sampler_generators
 from ._resume import STATE_VERSION, loader_config, sampler_state, stateful_sampler
-from ._worker_state import UnsavedState, own_state_copy, restore_worker_rng
 
 
 def _is_int(value) -> bool:

@@ -11,14 +11,14 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._next_epoch import PrefetchedEpoch, can_prefetch
-from ._resume import replay_message, sampler_state
-from ._resume_progress import Progress
-from ._seeding import positions_in
+from .._features._next_epoch import PrefetchedEpoch, can_prefetch
+from .._features._resume import replay_message, sampler_state
+from .._features._resume_progress import Progress
+from .._worker._seeding import positions_in
 
 if TYPE_CHECKING:
+    from .._features._resume import Resume
     from ._dispatch_record import DispatchRecord
-    from ._resume import Resume
     from ._stats import Counters
 
 

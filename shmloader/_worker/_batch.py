@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from torch.utils.data import _DatasetKind
 
-from . import _layout, _one_off
+from .._shm import _layout
+from . import _one_off
 from ._arena import slot_bytes_needed
 from ._protocol import MEASURE, NO_RING, NO_SLOT, RING_FULL, SPILL, Batch, ErrorReply, Segment, Stop
-from ._worker_state import STATE_BYTES, worker_snapshot
-from ._worker_tasks import TaskContext
+from ._state import STATE_BYTES, worker_snapshot
+from ._tasks import TaskContext
 
 
 def batch(ctx: TaskContext, fetcher, task):

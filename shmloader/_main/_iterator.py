@@ -22,7 +22,7 @@ in place.  Tasks carry ids unique over the iterator's life, so results of an
 earlier epoch (persistent workers) are recognised and dropped.
 
 Beyond torch (all opt-in, see DataLoader): fetch="sample" sends each batch to
-every worker, which fill its slot row by row (_worker.py, _sample_layout.py); the
+every worker, which fill its slot row by row (_worker/_rows.py, _worker/_sample_layout.py); the
 first sample of the loader is fetched alone first (a "probe") to fix the
 layout and size the ring.  prefetch_next_epoch keeps dispatching, when the
 sampler runs out, the next epoch's batches; they are numbered on from this
@@ -49,17 +49,19 @@ from torch.utils.data.dataloader import (
     _sharding_worker_init_fn,
 )
 
-from . import _cuda, _torch_api
+from .._errors import WorkerDied
+from .._features import _cuda
+from .._worker._protocol import Probe, ResumeWorker, Rows, Task
+from .._worker._seeding import countable
+from .._worker._state import STATE_BYTES, carries_state
+from . import _torch_api
 from ._dispatch_record import DispatchRecord
 from ._iter_deliver import Delivery
 from ._iter_epochs import EpochPlanner
 from ._iter_receive import Receiver, discard, kind
 from ._iter_ring import RingKeeper
-from ._pool import WorkerDied, WorkerPool
-from ._protocol import Probe, ResumeWorker, Rows, Task
-from ._seeding import countable
+from ._pool import WorkerPool
 from ._warn import DeferredWarnings, init_as_torch
-from ._worker_state import STATE_BYTES, carries_state
 
 # What _process_data returns for a batch fetched again after a resume and dropped.
 _REPLAYED = object()

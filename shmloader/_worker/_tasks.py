@@ -17,16 +17,16 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data import IterDataPipe, _DatasetKind
 from torch.utils.data.graph_settings import apply_random_seed
 
+from .._errors import SharedMemoryError
+from .._shm._segment import shm_full_message, transport_shm_full_message
 from ._arena import SlotCollate
-from ._errors import SharedMemoryError
+from ._config import WorkerConfig
 from ._protocol import Resumed, ResumeWorker
 from ._sample_layout import SampleLayout
 from ._seeding import Samples
-from ._segment import shm_full_message, transport_shm_full_message
+from ._slots import MappedRing, WorkerCounters
+from ._state import carries_state, plain_worker_state, restore_worker_rng, worker_snapshot
 from ._user_objects import attribute
-from ._worker_config import WorkerConfig
-from ._worker_slots import MappedRing, WorkerCounters
-from ._worker_state import carries_state, plain_worker_state, restore_worker_rng, worker_snapshot
 
 
 class CountingCollate:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._segment import ring_memory
+from .._shm._segment import ring_memory
 
 
 @dataclasses.dataclass(frozen=True)

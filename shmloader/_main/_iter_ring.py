@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from . import _cuda
-from ._protocol import MEASURE, NO_SLOT, UseLayout
-from ._ring import MAX_SLOTS, Ring
+from .._features import _cuda
+from .._shm._ring import MAX_SLOTS, Ring
+from .._worker._protocol import MEASURE, NO_SLOT, UseLayout
 from ._ring_memory import (
     RingHandover,
     create_ring,

@@ -23,10 +23,10 @@ from multiprocessing.reduction import recvfds, sendfds
 
 import torch
 
-from . import _layout
+from .._shm import _layout
+from .._shm._ring import Ring
+from .._shm._segment import new_segment
 from ._arena import Arena
-from ._ring import Ring
-from ._segment import new_segment
 
 
 def write(task_id: int, data, samples: int, state, nbytes: int, reserve: int) -> Ring:

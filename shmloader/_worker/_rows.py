@@ -17,10 +17,10 @@ from typing import Any
 
 from torch._utils import ExceptionWrapper
 
+from ._channels import send
 from ._protocol import Described, ErrorReply, RowError
 from ._sample_layout import SampleLayout
-from ._worker_channels import send
-from ._worker_tasks import TaskContext
+from ._tasks import TaskContext
 
 
 class _Reraised(Exception):

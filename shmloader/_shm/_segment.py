@@ -16,8 +16,8 @@ from __future__ import annotations
 import errno
 import resource
 
+from .._errors import SharedMemoryError
 from . import _memory
-from ._errors import SharedMemoryError
 from ._ring import Ring
 
 SHM_DIR = "/dev/shm"  # only where memfd_create is refused (see new_segment)

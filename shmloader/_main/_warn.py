@@ -16,7 +16,11 @@ from torch.utils.data import dataloader as torch_dataloader
 if TYPE_CHECKING:
     from ._stats import Counters
 
-_INTERNAL_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.utils.data.__file__))
+# shmloader's package (every subpackage of it) and torch's loader.
+_INTERNAL_DIRS = (
+    os.path.dirname(os.path.dirname(__file__)),
+    os.path.dirname(torch.utils.data.__file__),
+)
 
 
 def warn(

@@ -28,7 +28,7 @@ and become plain data only when state_dict() is called.
 
 This module holds the state's format (its version, the loader's config it
 names) and Resume, a loaded state as the next iterator uses it.  Beside it:
-what a worker's state holds (_worker_state.py, NOTE [resume: the worker's
+what a worker's state holds (_worker/_state.py, NOTE [resume: the worker's
 state]), the record iterators keep as batches are yielded and the
 state_dict() made of it (_resume_progress.py), and the checks a state
 passes before a loader resumes from it (_resume_check.py).
@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import torch
 
+from .._worker._state import own_state_copy
+from .._worker._user_objects import attribute
 from ._next_epoch import loader_samplers, sampler_generators
-from ._user_objects import attribute
-from ._worker_state import own_state_copy
 
 # NOTE [resume: state format]
 # The fields state_dict() (_resume_progress.py) writes are those

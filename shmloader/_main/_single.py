@@ -11,13 +11,13 @@ import numpy as np
 import torch
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
-from ._cuda import DeviceStage
-from ._resume import replay_message, sampler_state
-from ._resume_progress import Progress
-from ._seeding import Samples, countable, positions_in
-from ._user_objects import attribute
+from .._features._cuda import DeviceStage
+from .._features._resume import replay_message, sampler_state
+from .._features._resume_progress import Progress
+from .._worker._seeding import Samples, countable, positions_in
+from .._worker._state import own_state_copy, restore_worker_rng, worker_snapshot
+from .._worker._user_objects import attribute
 from ._warn import DeferredWarnings
-from ._worker_state import own_state_copy, restore_worker_rng, worker_snapshot
 
 
 class SingleProcessIter(_SingleProcessDataLoaderIter):

@@ -23,13 +23,14 @@ from pickle import PicklingError
 
 from torch.utils.data._utils import signal_handling
 
-from . import _one_off, _torch_api
-from ._errors import WorkerDied
-from ._protocol import EXIT, NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT, RingFds, from_worker
-from ._segment import address_space_limit
+from .._errors import WorkerDied
+from .._shm._segment import address_space_limit
+from .._worker import _one_off
+from .._worker._config import WorkerConfig
+from .._worker._loop import worker_loop
+from .._worker._protocol import EXIT, NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT, RingFds, from_worker
+from . import _torch_api
 from ._warn import warn_as_torch_worker_start
-from ._worker import worker_loop
-from ._worker_config import WorkerConfig
 
 # Like torch's MP_STATUS_CHECK_INTERVAL: how long shutdown waits for workers
 # to exit on their own before terminating them.

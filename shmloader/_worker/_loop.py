@@ -35,16 +35,16 @@ import numpy.random  # noqa: F401  here, once: else every forked worker imports 
 import torch
 from torch.utils.data._utils import worker as torch_worker
 
+from ._batch import batch
+from ._channels import Inbox, send
+from ._config import WorkerConfig
+from ._exit import NoRingFds, NoRingMapping, orphaned, set_exit_handlers, without_ring
 from ._malloc import keep_freed_memory
 from ._protocol import EXIT, ErrorReply
-from ._worker_batch import batch
-from ._worker_channels import Inbox, send
-from ._worker_config import WorkerConfig
-from ._worker_exit import NoRingFds, NoRingMapping, orphaned, set_exit_handlers, without_ring
-from ._worker_rows import probe, rows
-from ._worker_slots import MappedRing
-from ._worker_tasks import TaskContext, reseeded
-from ._worker_watch import start_watchdog
+from ._rows import probe, rows
+from ._slots import MappedRing
+from ._tasks import TaskContext, reseeded
+from ._watch import start_watchdog
 
 
 def worker_loop(cfg: WorkerConfig) -> None:

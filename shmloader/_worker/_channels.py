@@ -13,9 +13,9 @@ from multiprocessing.reduction import ForkingPickler, recvfds
 
 from torch._utils import ExceptionWrapper
 
+from ._exit import NoRingFds
 from ._protocol import EXIT, RingFds, from_main
-from ._worker_exit import NoRingFds
-from ._worker_watch import WATCHDOG_INTERVAL, is_alive, open_pidfd
+from ._watch import WATCHDOG_INTERVAL, is_alive, open_pidfd
 
 # What Inbox.next() returns when a ring's fds came: they are in Inbox.ring_fds.
 RING_FDS = RingFds._make(RingFds.wire())

@@ -116,7 +116,7 @@ def dumps(batch, place_all, samples: int, worker_state: bytes | None = None) -> 
     numeric numpy arrays) become the references place_all(leaves) gives for
     them, after the batch is pickled; then (how many tensor-like leaves could
     not be placed and travel through torch's pickling instead, samples in the
-    batch, the worker's state after the batch (see _worker_state.py) or None)."""
+    batch, the worker's state after the batch (see _worker/_state.py) or None)."""
     buf = io.BytesIO()
     pickler = _RefPickler(buf)
     pickler.dump(batch)

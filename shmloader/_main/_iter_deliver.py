@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 from torch._utils import ExceptionWrapper
 from torch.utils.data import _utils
 
-from . import _layout
+from .._shm import _layout
+from .._worker._protocol import NO_RING, RING_FULL
 from ._iter_receive import kind
-from ._protocol import NO_RING, RING_FULL
 
 if TYPE_CHECKING:
-    from ._cuda import DeviceStage
+    from .._features._cuda import DeviceStage
     from ._iter_ring import RingKeeper
     from ._stats import Counters
 

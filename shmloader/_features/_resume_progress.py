@@ -11,9 +11,9 @@ import dataclasses
 
 import torch
 
+from .._worker._state import UnsavedState, plain_worker_state, rng_only
 from ._next_epoch import sampler_generators
 from ._resume import STATE_VERSION, Resume, loader_config, sampler_state
-from ._worker_state import UnsavedState, plain_worker_state, rng_only
 
 
 @dataclasses.dataclass

@@ -10,9 +10,9 @@ import time
 
 import torch
 
+from .._shm._ring import Ring, SlotMemory
 from ._arena import Arena
-from ._ring import Ring, SlotMemory
-from ._worker_exit import NoRingFds, NoRingMapping
+from ._exit import NoRingFds, NoRingMapping
 
 
 class MappedRing:

@@ -29,9 +29,9 @@ from torch.utils.data._utils.collate import (
     default_collate_fn_map,
 )
 
-from . import _layout
-from ._ring import copy_stream
-from ._slot_rules import copies_as_row, stacks_into_slot
+from .._shm import _layout
+from .._shm._ring import copy_stream
+from .._shm._slot_rules import copies_as_row, stacks_into_slot
 
 ALIGN = 64  # cache line; also a multiple of every dtype's itemsize
 
