@@ -34,7 +34,6 @@ _reset if the samplers still describe the epoch they were drawn for
 from __future__ import annotations
 
 import contextlib
-import functools
 import multiprocessing.util
 import os
 import time
@@ -42,26 +41,16 @@ import time
 import torch
 from torch.utils.data import _utils
 from torch.utils.data.dataloader import (
-    IterDataPipe,
-    MapDataPipe,
     _BaseDataLoaderIter,
-    _DatasetKind,
-    _sharding_worker_init_fn,
 )
 
 from .._errors import WorkerDied
-from .._features import _cuda
 from .._worker._protocol import Probe, ResumeWorker, Rows, Task
 from .._worker._seeding import countable
-from .._worker._state import STATE_BYTES, carries_state
 from . import _torch_api
-from ._dispatch_record import DispatchRecord
-from ._iter_deliver import Delivery
-from ._iter_epochs import EpochPlanner
-from ._iter_receive import Receiver, discard, kind
-from ._iter_ring import RingKeeper
-from ._pool import WorkerPool
-from ._warn import DeferredWarnings, init_as_torch
+from ._iter_parts import build_parts
+from ._iter_receive import discard, kind
+from ._warn import init_as_torch
 
 # What _process_data returns for a batch fetched again after a resume and dropped.
 _REPLAYED = object()
@@ -85,10 +74,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             self._base_seed = resume.settle_base_seed(
                 loader, self._base_seed, self._persistent_workers, rng_before
             )
-        self._died: str | None = None  # the message of the WorkerDied that ended this iterator
-        self._interrupted: str | None = (
-            None  # the name of the KeyboardInterrupt (or such) that ended it
-        )
+        self._died: str | None = None  # the message of the WorkerDied that ended it
+        self._interrupted: str | None = None  # the name of the interrupt that ended it
         self._shutdown = False
         self._owner_pid = os.getpid()
         self._made_with = loader._options()  # see DataLoader.__iter__
@@ -96,53 +83,14 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._fetch = loader.fetch
         self._batch_size = loader.batch_size
         self._counters = loader._counters
-        self._deferred_warnings = DeferredWarnings(self._counters)
-        warn = self._deferred_warnings.warn
-        self._epochs = EpochPlanner(
-            loader=loader,
-            resume=resume,
-            base_seed=self._base_seed,
-            num_workers=self._num_workers,
-            auto_collation=self._auto_collation,
-            warn=warn,
-        )
-        device = loader.device
-        self._ring_keeper = RingKeeper(
-            handover=loader._ring_handover,
-            counters=self._counters,
-            warn=warn,
-            num_workers=self._num_workers,
-            prefetch_factor=self._prefetch_factor,
-            fetch=self._fetch,
-            slot_bytes=loader.slot_bytes,
-            num_slots=loader.num_slots,
-            state_bytes=(
-                STATE_BYTES if carries_state(self._dataset_kind, loader.seed_per_sample) else 0
-            ),
-            # Pin the ring itself (once) where batches go to a CUDA device.
-            register=torch.cuda.is_available()
-            and (_torch_api.pins_to_cuda(self) or (device is not None and device.type == "cuda")),
-        )
-        self._pool = self._start_workers(loader, resume)
-        self._receiver = Receiver(
-            ring_keeper=self._ring_keeper,
-            pool=self._pool,
-            counters=self._counters,
-            timeout=self._timeout,
-            in_order=self._in_order,
-        )
-        self._delivery = Delivery(
-            ring_keeper=self._ring_keeper,
-            counters=self._counters,
-            warn=warn,
-            pin_memory=self._pin_memory,
-            pin_memory_device=self._pin_memory_device,
-            pin_device_id=self._pin_device_id,
-            device_stage=_cuda.DeviceStage(device) if device is not None else None,
-        )
-        self._record = DispatchRecord(
-            self._num_workers, self._dataset_kind == _DatasetKind.Iterable
-        )
+        parts = build_parts(self, loader, resume)
+        self._deferred_warnings = parts.deferred_warnings
+        self._epochs = parts.epochs
+        self._ring_keeper = parts.ring_keeper
+        self._pool = parts.pool
+        self._receiver = parts.receiver
+        self._delivery = parts.delivery
+        self._record = parts.record
         self._ring_keeper.attach(self._pool)
         self._reset(loader, first_iter=True)
 
@@ -150,49 +98,6 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     def _ring(self):
         """The ring, or None before a slot size is known."""
         return self._ring_keeper.ring
-
-    def _start_workers(self, loader, resume) -> WorkerPool:
-        """The worker processes, each given what torch gives its workers,
-        plus shmloader's options and (resuming) its state."""
-        ctx = loader.multiprocessing_context or torch.multiprocessing
-        init_fn = loader.worker_init_fn
-        if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
-            init_fn = functools.partial(
-                _sharding_worker_init_fn, init_fn, self._world_size, self._rank
-            )
-        # Only batches are collated into slots: with batch_size=None torch
-        # calls a default_collate passed explicitly on each sample (and its
-        # errors must be torch's).
-        slot_collate = self._auto_collation and self._collate_fn is _utils.collate.default_collate
-        # The device torch's iterator gives its pin-memory thread (shmloader
-        # pins in this thread), looked up as the installed torch does, so
-        # that a pin_memory_device with no such device fails as torch's does;
-        # before the workers start, so that none is left behind then.
-        self._pin_device_id = _torch_api.pin_thread_device(self) if self._pin_memory else None
-        return WorkerPool(
-            ctx,
-            [
-                dict(
-                    dataset_kind=self._dataset_kind,
-                    dataset=self._dataset,
-                    auto_collation=self._auto_collation,
-                    collate_fn=self._collate_fn,
-                    slot_collate=slot_collate,
-                    drop_last=self._drop_last,
-                    base_seed=self._base_seed,
-                    init_fn=init_fn,
-                    worker_id=i,
-                    num_workers=self._num_workers,
-                    shared_seed=self._shared_seed,
-                    seed_per_sample=loader.seed_per_sample,
-                    assignment=loader.assignment,
-                    measures_spills=loader.slot_bytes is None,
-                    resume_state=resume.worker_state(i) if resume is not None else None,
-                    manager_pid=os.getpid(),
-                )
-                for i in range(self._num_workers)
-            ],
-        )
 
     def __next__(self):
         # torch's __next__ opens a profiler record_function around every
