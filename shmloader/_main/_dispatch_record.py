@@ -34,7 +34,7 @@ class DispatchRecord:
         self.send_idx = 0  # epoch index of the next task to send
         self.rcvd_idx = 0  # epoch index of the next batch to yield
         self.tasks: dict[int, Sent] = {}
-        self.held: set[int] = set()  # in_order=False: results waiting for their worker's turn
+        self.waiting: set[int] = set()  # in_order=False: results waiting for their worker's turn
         self.outstanding = 0  # tasks sent whose results have not arrived
         self.workers_status = [True] * num_workers  # False: ran out (IterableDataset)
         self.workers_num_tasks = [0] * num_workers  # sent and not yet yielded, per worker
@@ -101,7 +101,7 @@ class DispatchRecord:
         """(worker, result, its number among the worker's tasks) of the
         arrived task idx, which is being yielded."""
         sent = self.tasks.pop(idx)
-        self.held.discard(idx)
+        self.waiting.discard(idx)
         self.workers_num_tasks[sent.worker_id] -= 1
         number = self.task_numbers.pop(idx) if self.task_numbers is not None else None
         return sent.worker_id, sent.result, number
@@ -164,12 +164,12 @@ class DispatchRecord:
                 stale += 1
             else:
                 arrived.append(sent.result)
-        self.held = set()  # (the broken-off epoch's)
+        self.waiting = set()  # (the broken-off epoch's)
         self.next_epoch_at = None
         return stale, arrived
 
     def arrived_results(self) -> list[Any]:
         """Results that arrived and were not yielded; forgotten here."""
         results = [sent.result for sent in self.tasks.values() if sent.result is not None]
-        self.tasks, self.held = {}, set()
+        self.tasks, self.waiting = {}, set()
         return results

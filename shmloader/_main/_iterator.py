@@ -351,8 +351,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             keeper.start(keeper.known_slot_bytes(), self._pool)
         per_worker = self._fetch == "batch"
         while True:
-            if record.held:
-                idx = record.first_in_turn(record.held, per_worker)
+            if record.waiting:
+                idx = record.first_in_turn(record.waiting, per_worker)
                 if idx is not None:
                     return self._yield_task(idx)
             idx = record.next_in_line()
@@ -384,7 +384,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                     record.next_epoch_at is None or idx < record.next_epoch_at
                 ):
                     if record.first_in_turn([idx], per_worker) is None:
-                        record.held.add(idx)
+                        record.waiting.add(idx)
                         continue
                     return self._yield_task(idx)
             else:
