@@ -1,4 +1,6 @@
-"""Module-level datasets, samplers, collate and init functions shared by the behaviour tests.
+"""Module-level datasets, samplers, collate and init functions shared by the tests: the
+behaviour tests' (compared with torch) and, at the end, the failure tests' (workers that fail,
+die or sleep, and faults that fire once).
 
 Everything here is picklable by reference, so it works with the 'spawn' and 'forkserver' start
 methods (the child imports this module by name). Nothing here imports shmloader: the same objects
@@ -10,7 +12,10 @@ import collections
 import collections.abc
 import copy
 import math
+import multiprocessing.util
+import os
 import random
+import signal
 import time
 import weakref
 from collections import OrderedDict, namedtuple
@@ -38,14 +43,23 @@ def _worker_fields():
 
 
 # --------------------------------------------------------------------------- map-style datasets
-class IndexMap(Dataset):
-    """Sample i = (i, float32 tensor [i, i, i])."""
+class SizedMap(Dataset):
+    """A map-style dataset of `n` samples (the class's `n` where none is given): the length
+    every one here keeps. A subclass says what sample i is."""
 
-    def __init__(self, n=20):
-        self.n = n
+    n = 10
+
+    def __init__(self, n=None):
+        self.n = type(self).n if n is None else n
 
     def __len__(self):
         return self.n
+
+
+class IndexMap(SizedMap):
+    """Sample i = (i, float32 tensor [i, i, i])."""
+
+    n = 20
 
     def __getitem__(self, i):
         return i, torch.full((3,), float(i), dtype=torch.float32)
@@ -61,15 +75,14 @@ class JitterMap(IndexMap):
         return super().__getitem__(i)
 
 
-class EpochTagged(Dataset):
+class EpochTagged(SizedMap):
     """Item i is (i, the dataset's epoch attribute as the worker sees it)."""
 
-    def __init__(self, n=8):
-        self.n = n
-        self.epoch = 0
+    n = 8
 
-    def __len__(self):
-        return self.n
+    def __init__(self, n=None):
+        super().__init__(n)
+        self.epoch = 0
 
     def __getitem__(self, i):
         return torch.tensor([i, self.epoch])
@@ -89,29 +102,22 @@ class TaggingSampler(Sampler):
         return iter(range(len(self.dataset)))
 
 
-class GeneratorMap(Dataset):
+class GeneratorMap(SizedMap):
     """Each sample draws from a torch.Generator the dataset shares with the loader or its
     sampler: each worker draws from its own copy, taken when the worker was started."""
 
     def __init__(self, n, generator):
-        self.n = n
+        super().__init__(n)
         self.generator = generator
-
-    def __len__(self):
-        return self.n
 
     def __getitem__(self, i):
         return torch.rand(2, generator=self.generator), i
 
 
-class RNGMap(Dataset):
+class RNGMap(SizedMap):
     """Each sample draws from `random`, torch and numpy global RNGs and reports get_worker_info()."""
 
-    def __init__(self, n=16):
-        self.n = n
-
-    def __len__(self):
-        return self.n
+    n = 16
 
     def __getitem__(self, i):
         wid, nw, seed = _worker_fields()
@@ -181,31 +187,23 @@ def _rich_sample(i):
     }
 
 
-class RichMap(Dataset):
+class RichMap(SizedMap):
     """Samples with many leaf kinds: tensors of several dtypes (incl. 0-dim, empty, NaN/inf/-0.0,
     non-contiguous), numpy arrays and scalars, python scalars, str/bytes, tuples, lists,
     namedtuples, nested dicts and an OrderedDict."""
 
-    def __init__(self, n=8):
-        self.n = n
-
-    def __len__(self):
-        return self.n
+    n = 8
 
     def __getitem__(self, i):
         return _rich_sample(i)
 
 
-class NumpyKindsMap(Dataset):
+class NumpyKindsMap(SizedMap):
     """Numpy arrays that a slot must keep as torch's pickling keeps them: read-only (arrives
     writable), structured (keeps its fields), Fortran-ordered (keeps its order), big-endian,
     datetime, and a non-contiguous view (arrives C-ordered)."""
 
-    def __init__(self, n=12):
-        self.n = n
-
-    def __len__(self):
-        return self.n
+    n = 12
 
     def __getitem__(self, i):
         points = np.zeros(3, dtype=[("x", "<i4"), ("y", "<f8"), ("tag", "S2")])
@@ -262,7 +260,7 @@ class BitsMap(IndexMap):
     """Samples of a dtype torch's default collate cannot stack: bytes viewed as `dtype`
     (bits8: no typed storage; quint8: quantized, without a quantizer)."""
 
-    def __init__(self, n=20, dtype=torch.bits8):
+    def __init__(self, n=None, dtype=torch.bits8):
         super().__init__(n)
         self.dtype = dtype
 
@@ -362,28 +360,20 @@ def sharing(batch):
     return same_object, storages, reached, float(batch["slice_of_big"].sum())
 
 
-class GradMap(Dataset):
+class GradMap(SizedMap):
     """Sample i = float32 [i, i, i]; every fourth, from 1 on, requires grad (a worker's
     default_collate refuses to stack those into shared memory)."""
 
-    def __init__(self, n=10):
-        self.n = n
-
-    def __len__(self):
-        return self.n
+    n = 10
 
     def __getitem__(self, i):
         return torch.full((3,), float(i)).requires_grad_(i % 4 == 1)
 
 
-class GetItemsMap(Dataset):
+class GetItemsMap(SizedMap):
     """Has __getitems__, which torch's fetcher uses for a whole batch when auto-collating."""
 
-    def __init__(self, n=10):
-        self.n = n
-
-    def __len__(self):
-        return self.n
+    n = 10
 
     def __getitem__(self, i):
         return {"i": i, "via": "getitem"}
@@ -392,61 +382,51 @@ class GetItemsMap(Dataset):
         return [{"i": i, "via": f"getitems{len(indices)}"} for i in indices]
 
 
-class GrowingMap(Dataset):
+class GrowingMap(SizedMap):
     """Sample 0 is empty; later samples grow geometrically (up to 4 MiB), so a slot sized from the
     first batch is too small for the later ones."""
 
-    def __init__(self, n=12):
-        self.n = n
-
-    def __len__(self):
-        return self.n
+    n = 12
 
     def __getitem__(self, i):
         size = 0 if i == 0 else min(16 * 4**i, 1 << 20)
         return torch.arange(size, dtype=torch.float32) + i
 
 
-class SparseMap(Dataset):
+class SparseMap(SizedMap):
     """Sparse COO leaves (not slot-able: must take the fallback path) next to dense ones."""
 
-    def __init__(self, n=6):
-        self.n = n
-
-    def __len__(self):
-        return self.n
+    n = 6
 
     def __getitem__(self, i):
         sp = torch.sparse_coo_tensor([[0, i % 4]], [1.0, float(i)], (5,), check_invariants=True)
         return {"sparse": sp, "dense": torch.tensor([i, i])}
 
 
-class WorkerStateMap(Dataset):
+class WorkerStateMap(SizedMap):
     """Samples expose what worker_init_fn did: a module global and an attribute it set on the
     worker's copy of the dataset."""
 
-    def __init__(self, n=12):
-        self.n = n
-        self.offset = 0
+    n = 12
 
-    def __len__(self):
-        return self.n
+    def __init__(self, n=None):
+        super().__init__(n)
+        self.offset = 0
 
     def __getitem__(self, i):
         wid, nw, _ = _worker_fields()
         return {"i": i, "value": i + self.offset, "mark": _WORKER_STATE.get("mark", -1), "wid": wid}
 
 
-class FailingMap(Dataset):
+class FailingMap(SizedMap):
     """Raises for indices in `bad`. exc selects the exception kind."""
 
-    def __init__(self, n=12, bad=(3, 8), exc="ValueError"):
-        self.n = n
+    n = 12
+
+    def __init__(self, n=None, bad=(3, 8), exc="ValueError"):
+        super().__init__(n)
         self.bad = set(bad)
         self.exc = exc
-
-    def __len__(self):
-        return self.n
 
     def __getitem__(self, i):
         if i in self.bad:
@@ -458,27 +438,22 @@ class FailingMap(Dataset):
         return torch.tensor([i])
 
 
-class NoneMap(Dataset):
+class NoneMap(SizedMap):
     """Sample 5 is None, which torch's default_collate rejects with a TypeError (in the worker)."""
 
-    def __init__(self, n=10):
-        self.n = n
-
-    def __len__(self):
-        return self.n
+    n = 10
 
     def __getitem__(self, i):
         return None if i == 5 else torch.tensor(i)
 
 
-class SlowMap(Dataset):
-    def __init__(self, n=6, slow=(4,), delay=3.0):
-        self.n = n
+class SlowMap(SizedMap):
+    n = 6
+
+    def __init__(self, n=None, slow=(4,), delay=3.0):
+        super().__init__(n)
         self.slow = set(slow)
         self.delay = delay
-
-    def __len__(self):
-        return self.n
 
     def __getitem__(self, i):
         if i in self.slow:
@@ -701,15 +676,12 @@ class KeyErrorStream(ShardedIterable):
         raise KeyError(name)
 
 
-class NoneAt(Dataset):
+class NoneAt(SizedMap):
     """Sample i = float32 [i, i, i], but None at index `bad`."""
 
     def __init__(self, n, bad):
-        self.n = n
+        super().__init__(n)
         self.bad = bad
-
-    def __len__(self):
-        return self.n
 
     def __getitem__(self, i):
         return None if i == self.bad else torch.full((3,), float(i))
@@ -902,40 +874,26 @@ def _numeric_sample(i):
     }
 
 
-class NumericMap(Dataset):
+class NumericMap(SizedMap):
     """Samples of _numeric_sample: everything fetch="sample" can put in a row."""
-
-    def __init__(self, n=10):
-        self.n = n
-
-    def __len__(self):
-        return self.n
 
     def __getitem__(self, i):
         return _numeric_sample(i)
 
 
-class ScalarMap(Dataset):
+class ScalarMap(SizedMap):
     """Sample i is the python int i (the simplest sample: a bare leaf)."""
 
-    def __init__(self, n=10):
-        self.n = n
-
-    def __len__(self):
-        return self.n
+    n = 10
 
     def __getitem__(self, i):
         return i
 
 
-class TensorMap(Dataset):
+class TensorMap(SizedMap):
     """Sample i is a bare float32 tensor [i, 2i, 3i, 4i] (non-contiguous for odd i)."""
 
-    def __init__(self, n=10):
-        self.n = n
-
-    def __len__(self):
-        return self.n
+    n = 10
 
     def __getitem__(self, i):
         t = torch.tensor([[i, 3 * i], [2 * i, 4 * i]], dtype=torch.float32)
@@ -990,16 +948,13 @@ class Settings:
 SETTINGS = Settings()
 
 
-class StructureMap(Dataset):
+class StructureMap(SizedMap):
     """Samples whose structure or leaves differ in ways a layout fixed by the first sample
     cannot show (odd samples differ from even ones unless said otherwise), by `kind`."""
 
     def __init__(self, kind, n=8):
+        super().__init__(n)
         self.kind = kind
-        self.n = n
-
-    def __len__(self):
-        return self.n
 
     def __getitem__(self, i):
         t = torch.full((2,), float(i))
@@ -1087,21 +1042,20 @@ class LazyBitsMap(Dataset):
         }
 
 
-class MismatchMap(Dataset):
+class MismatchMap(SizedMap):
     """{"image": float32 (3,), "meta": {"label": int, "box": float32 (2,)}}; sample `bad` breaks
     the layout the first sample fixed, by `kind`: "shape" (box of shape (3,)), "dtype" (box as
     float64), "text" (label as a str), "fields" (an extra key), "ndim" (image of shape (1, 3)),
     "none" (box is None: an optional field left out).
     Sample `raises` raises a KeyError."""
 
-    def __init__(self, n=12, bad=5, kind="shape", raises=None):
-        self.n = n
+    n = 12
+
+    def __init__(self, n=None, bad=5, kind="shape", raises=None):
+        super().__init__(n)
         self.bad = bad
         self.kind = kind
         self.raises = raises
-
-    def __len__(self):
-        return self.n
 
     def __getitem__(self, i):
         if i == self.raises:
@@ -1126,30 +1080,25 @@ class MismatchMap(Dataset):
         return {"image": image, "meta": {"label": label, "box": box, **extra}}
 
 
-class TextMap(Dataset):
+class TextMap(SizedMap):
     """Every sample holds a str (or bytes): fetch="sample" must refuse them."""
 
-    def __init__(self, n=6, kind="str"):
-        self.n = n
-        self.kind = kind
+    n = 6
 
-    def __len__(self):
-        return self.n
+    def __init__(self, n=None, kind="str"):
+        super().__init__(n)
+        self.kind = kind
 
     def __getitem__(self, i):
         name = f"name{i}" if self.kind == "str" else f"name{i}".encode()
         return {"x": torch.tensor([i]), "name": name}
 
 
-class AugmentMap(Dataset):
+class AugmentMap(SizedMap):
     """Random 'augmentations' drawn from random, numpy and torch's global RNGs, on top of a
     deterministic base: whatever seeds the worker's RNGs decides what a sample looks like."""
 
-    def __init__(self, n=12):
-        self.n = n
-
-    def __len__(self):
-        return self.n
+    n = 12
 
     def __getitem__(self, i):
         base = torch.full((3,), float(i))
@@ -1222,14 +1171,10 @@ class FailingEpochSampler(EpochRandomSampler):
         return super().__iter__()
 
 
-class WhoMap(Dataset):
+class WhoMap(SizedMap):
     """Sample i = {"i": i, "wid": id of the worker that fetched it (-1 in the main process)}."""
 
-    def __init__(self, n=12):
-        self.n = n
-
-    def __len__(self):
-        return self.n
+    n = 12
 
     def __getitem__(self, i):
         wid, _, _ = _worker_fields()
@@ -1240,3 +1185,177 @@ def late_worker_init_fn(worker_id):
     """Worker 1 starts late (0.4 s): meanwhile the other workers run the first batches alone."""
     if worker_id == 1:
         time.sleep(0.4)
+
+
+# --------------------------------------------------------------------------- failures and cleanup
+class Images(SizedMap):
+    """Small deterministic uint8 'images'."""
+
+    def __init__(self, n, shape=(3, 8, 8)):
+        super().__init__(n)
+        self.shape = shape
+
+    def __getitem__(self, i):
+        return torch.full(self.shape, i % 251, dtype=torch.uint8)
+
+
+class Buckets(Sampler):
+    """A bucketing batch sampler's batches: 2 to 60 samples, a large one before a larger one."""
+
+    def __init__(self, sizes=(2, 40, 4, 60, 2, 60, 8, 1)):
+        self.sizes = sizes
+
+    def __len__(self):
+        return len(self.sizes)
+
+    def __iter__(self):
+        start = 0
+        for n in self.sizes:
+            yield list(range(start, start + n))
+            start += n
+
+
+class WorkerTempDirs(Images):
+    """An image and the path of its worker's multiprocessing temp dir, which the
+    worker makes as torch's fd sharing does."""
+
+    def __getitem__(self, i):
+        return super().__getitem__(i), multiprocessing.util.get_temp_dir()
+
+
+class Failing(SizedMap):
+    """Sample i = i; sample `bad` raises a ValueError."""
+
+    def __init__(self, n, bad):
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError(f"sample {i} is broken")
+        return i
+
+
+class Dying(SizedMap):
+    """Its worker dies at sample `at`: by `signum`, or os._exit(1) for 0."""
+
+    def __init__(self, n, at, signum):
+        super().__init__(n)
+        self.at = at
+        self.signum = signum
+
+    def __getitem__(self, i):
+        if i == self.at:
+            if self.signum:
+                os.kill(os.getpid(), self.signum)
+                time.sleep(5)
+            os._exit(1)
+        return i
+
+
+class Sleepy(SizedMap):
+    """Sample i = i, each after `seconds` of sleep."""
+
+    def __init__(self, n, seconds):
+        super().__init__(n)
+        self.seconds = seconds
+
+    def __getitem__(self, i):
+        time.sleep(self.seconds)
+        return i
+
+
+class Rows(SizedMap):
+    """Samples a raw row copy must not be used for: `kind` picks which."""
+
+    def __init__(self, n, kind):
+        super().__init__(n)
+        self.kind = kind
+
+    def __getitem__(self, i):
+        base = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + i
+        if self.kind == "transposed":
+            return base.transpose(0, 2)
+        if self.kind == "conj":
+            return torch.complex(base, -base).conj()
+        if self.kind == "grad":
+            return base.requires_grad_()
+        if self.kind == "mixed_dtype":
+            return base.double() if i % 2 else base
+        if self.kind == "mixed_shape":
+            return base if i % 3 else base[:1]
+        return base
+
+
+# --------------------------------------------------------------------------- faults that fire once
+# For tests/kill_driver.py.  The first process to create `stamp` (O_EXCL) fires the
+# fault, after writing "<time.monotonic()> <pid>" there; every later call, in any process, does
+# not.  So the fault is transient (one bad read, one OOM kill) and the next epoch, with fresh or
+# persistent workers, must work.  time.monotonic() is CLOCK_MONOTONIC, the same clock in every
+# process, so the main process can measure how long after the fault its error came.
+def _fire_once(stamp):
+    try:
+        fd = os.open(stamp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, f"{time.monotonic()!r} {os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
+    return True
+
+
+class FaultOnce(SizedMap):
+    """Ints 0..n-1; loading sample `at` fails once, by `how`: "sigkill",
+    "sigsegv" (a real segfault: a read at address 0), "exit" (os._exit(1)) or
+    "raise" (ValueError)."""
+
+    def __init__(self, n, at, how, stamp):
+        super().__init__(n)
+        self.at = at
+        self.how = how
+        self.stamp = stamp
+
+    def __getitem__(self, i):
+        if i == self.at and _fire_once(self.stamp):
+            if self.how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(10)
+            elif self.how == "sigsegv":
+                import ctypes
+
+                ctypes.string_at(0)
+                time.sleep(10)
+            elif self.how == "exit":
+                os._exit(1)
+            raise ValueError(f"sample {i} is broken (FaultOnce)")
+        return i
+
+
+class InitFailsOnce:
+    """A worker_init_fn: worker `worker_id` raises LookupError, once."""
+
+    def __init__(self, worker_id, stamp):
+        self.worker_id = worker_id
+        self.stamp = stamp
+
+    def __call__(self, worker_id):
+        if worker_id == self.worker_id and _fire_once(self.stamp):
+            raise LookupError(f"worker_init_fn failed in worker {worker_id} (InitFailsOnce)")
+
+
+class StreamFailsOnce(IterableDataset):
+    """Ints 0..n-1 sharded by get_worker_info(); __iter__ of worker
+    `bad_worker` raises KeyError once, before returning an iterator."""
+
+    def __init__(self, n, bad_worker, stamp):
+        self.n = n
+        self.bad_worker = bad_worker
+        self.stamp = stamp
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        if wid == self.bad_worker and _fire_once(self.stamp):
+            raise KeyError(f"__iter__ failed in worker {wid} (StreamFailsOnce)")
+        return iter(range(wid, self.n, nw))

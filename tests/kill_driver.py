@@ -17,7 +17,7 @@ a training script's top level does); HOW=exception raises an uncaught
 RuntimeError; HOW=sigint/sigterm/sigkill waits (iterating, or sleeping between
 epochs) for the test to send that signal.
 
-`worker`: one worker fails once (see tests/datasets_lifecycle.py, FaultOnce &
+`worker`: one worker fails once (see tests/datasets.py, FaultOnce &
 co.), by FAULT = sigkill, sigsegv, exit (os._exit(1)), init (worker_init_fn
 raises LookupError), iter (IterableDataset.__iter__ raises KeyError), getitem
 (__getitem__ raises ValueError), or idle-sigkill (the driver SIGKILLs a
@@ -45,7 +45,7 @@ import time
 # At the top, as in a training script: a forkserver then imports torch once (see
 # preload_forkserver) and spawned workers import this module as __mp_main__ anyway.
 from shmloader import DataLoader
-from tests.datasets_lifecycle import (
+from tests.datasets import (
     FaultOnce,
     Images,
     InitFailsOnce,
@@ -77,7 +77,7 @@ def preload_forkserver():
     (the forkserver preloads only a main module given by path), so say it."""
     import multiprocessing
 
-    multiprocessing.set_forkserver_preload(["shmloader", "tests.datasets_lifecycle"])
+    multiprocessing.set_forkserver_preload(["shmloader", "tests.datasets"])
 
 
 def start_helpers(ctx):

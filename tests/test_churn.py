@@ -27,7 +27,7 @@ import time
 import pytest
 
 from shmloader import DataLoader
-from tests.datasets_lifecycle import Images
+from tests.datasets import Images
 from tests.procs import our_segments, own_children, rearm_hang_guard, wait_gone
 
 # Slots coming back while a batch is held is part of what is watched: small leaves stay

@@ -16,7 +16,7 @@ only, generously: on a loaded 2-core machine a spawn scenario alone takes tens o
     EVENT_S of the event; no worker, and no other descendant of the driver (forkserver,
     resource tracker), alive GONE_S after the exit; no "shmloader*" entry in /dev/shm; no
     "Exception ignored" noise on stderr.
-(b) A worker fails, once (tests/datasets_lifecycle.py, FaultOnce & co.): SIGKILL, a
+(b) A worker fails, once (tests/datasets.py, FaultOnce & co.): SIGKILL, a
     real segfault (SIGSEGV), os._exit(1), an exception in worker_init_fn, in an
     IterableDataset's __iter__, in __getitem__.  Checked: the main process raises
     WorkerDied naming the worker's pid and its signal or exit code, or the worker's

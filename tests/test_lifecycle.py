@@ -23,7 +23,7 @@ import torch.utils.data as tud
 from shmloader import DataLoader, WorkerDied
 from shmloader._main import _torch_api
 from shmloader._shm._ring import CLAIMED
-from tests.datasets_lifecycle import Dying, Failing, Images, Sleepy
+from tests.datasets import Dying, Failing, Images, Sleepy
 from tests.procs import (
     describe_stuck,
     open_fds,
@@ -575,7 +575,7 @@ def test_pipe_ends_finalized_first_leave_the_files_that_reuse_their_numbers(tmp_
 MAIN_SCRIPT = textwrap.dedent("""
     import multiprocessing.util, sys, time
     from shmloader import DataLoader
-    from tests.datasets_lifecycle import WorkerTempDirs
+    from tests.datasets import WorkerTempDirs
     loader = DataLoader(WorkerTempDirs(10**6), batch_size=4, num_workers=2,
                         persistent_workers=True, multiprocessing_context=sys.argv[1])
     it = iter(loader)
@@ -629,7 +629,7 @@ SIGCHLD_IGNORED_SCRIPT = textwrap.dedent("""
     import signal
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # as servers do, to have children reaped
     from shmloader import DataLoader
-    from tests.datasets_lifecycle import Images
+    from tests.datasets import Images
     loader = DataLoader(Images(32), batch_size=4, num_workers=2)
     print([sum(1 for _ in loader) for _ in range(3)], flush=True)
 """)
@@ -719,7 +719,7 @@ def test_a_worker_that_cannot_map_the_ring_names_the_address_space_limit():
 WATCHED_SCRIPT = textwrap.dedent("""
     import os, resource, sys
     from shmloader import DataLoader
-    from tests.datasets_lifecycle import Sleepy
+    from tests.datasets import Sleepy
     class Busy(Sleepy):
         def __getitem__(self, i):
             print("busy", file=sys.stderr, flush=True)  # (in the worker, its watchdog started)

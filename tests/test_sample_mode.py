@@ -24,7 +24,7 @@ import torch.utils.data as tud
 from shmloader import DataLoader as ShmDataLoader
 from shmloader import SampleLayoutError, WorkerDied
 from tests import datasets as D
-from tests.datasets_lifecycle import Dying, Images, Sleepy
+from tests.datasets import Dying, Images, Sleepy
 from tests.procs import deadline, our_segments, own_children, wait_gone
 from tests.test_equivalence import (
     SEED,

@@ -16,7 +16,7 @@ import torch.utils.data as tud
 
 from shmloader import DataLoader, SharedMemoryError
 from shmloader._shm._ring import Ring
-from tests.datasets_lifecycle import Images
+from tests.datasets import Images
 from tests.procs import HANG_TIMEOUT_S, deadline, preload_library
 
 SLOT = 1 << 20
@@ -254,7 +254,7 @@ import sys, warnings
 import torch
 from torch.utils.data import DataLoader as TorchLoader
 from shmloader import DataLoader
-from tests.datasets_lifecycle import Images
+from tests.datasets import Images
 
 warnings.simplefilter("ignore")
 # 4.7 MB batches in a 64 MB /dev/shm, as Docker's default: a training loader alive
@@ -279,7 +279,7 @@ print("same as torch" if ok else "differs", train.stats().slot_batches, flush=Tr
 NEW_LOADER_AFTER_TRAINING_SCRIPT = """
 import torch
 from shmloader import DataLoader
-from tests.datasets_lifecycle import Images
+from tests.datasets import Images
 
 # 9.6 MB batches in a 64 MB /dev/shm: after two epochs of training, a new loader (an
 # evaluation) whose first batches travel outside the ring while its ring is sized.
@@ -339,7 +339,7 @@ REAL_CGROUP_SCRIPT = """
 import os, sys
 from shmloader import DataLoader
 from shmloader._shm import _memory
-from tests.datasets_lifecycle import Images
+from tests.datasets import Images
 
 # Fill this cgroup to its limit with page cache: a dataset's files, read once.
 block = os.urandom(1 << 20)

@@ -20,7 +20,7 @@ import torch
 from shmloader import DataLoader, SharedMemoryError
 from shmloader._shm import _layout, _slot_rules
 from tests import datasets as D
-from tests.datasets_lifecycle import Buckets, Images
+from tests.datasets import Buckets, Images
 from tests.procs import wait_gone
 
 # Slots held by batches are what these tests are about: small leaves stay views.
@@ -312,7 +312,7 @@ def test_default_collate_spill_is_not_corrupted_by_slot_reuse():
 NO_ROOM_SCRIPT = """
 import sys, warnings, torch, torch.utils.data as tud
 import shmloader
-from tests.datasets_lifecycle import Images
+from tests.datasets import Images
 
 class Growing(tud.Dataset):  # batches of 2 grow from 2 KB to 12 KB
     def __len__(self): return 12
@@ -729,7 +729,7 @@ def test_non_persistent_iterators_reuse_one_ring():
     "kind", ["plain", "transposed", "conj", "grad", "mixed_dtype", "mixed_shape"]
 )
 def test_stacking_into_slot_matches_torch_stack(kind):
-    from tests.datasets_lifecycle import Rows
+    from tests.datasets import Rows
 
     def run(cls, **kw):
         out = []

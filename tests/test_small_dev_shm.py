@@ -23,7 +23,7 @@ import os, sys
 import torch
 from torch.utils.data import DataLoader as TorchLoader
 from shmloader import DataLoader
-from tests.datasets_lifecycle import Images
+from tests.datasets import Images
 
 def same(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
@@ -103,7 +103,7 @@ if __name__ == "__main__":
 
 OUTSIDE_THE_RING_SCRIPT = """
 import warnings
-from tests.datasets_lifecycle import Buckets
+from tests.datasets import Buckets
 warnings.simplefilter("ignore")
 if __name__ == "__main__":
     data = Images(200, shape=(3, 64, 64))

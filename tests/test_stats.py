@@ -13,7 +13,7 @@ import torch.utils.data as tud
 
 from shmloader import DataLoader, LoaderStats
 from tests import datasets as D
-from tests.datasets_lifecycle import Images
+from tests.datasets import Images
 
 # Slots held by batches are what these tests are about: small leaves stay views.
 pytestmark = pytest.mark.usefixtures("views_only")

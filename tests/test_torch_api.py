@@ -12,7 +12,7 @@ import torch
 
 from shmloader import DataLoader
 from shmloader._main import _torch_api
-from tests.datasets_lifecycle import Images
+from tests.datasets import Images
 
 PACKAGE = Path(__file__).parent.parent / "shmloader"
 
