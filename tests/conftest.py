@@ -6,10 +6,10 @@ import pytest
 from hypothesis import settings
 
 from shmloader._shm import _layout
-from tests.procs import HANG_TIMEOUT_S, rearm_hang_guard
+from tests.helpers.procs import HANG_TIMEOUT_S, rearm_hang_guard
 
 # A suite started in the background by a non-interactive shell (`pytest ... &`, as a CI
-# script or tests/stress.py may be) inherits SIGINT ignored, and so would every process
+# script or tests/helpers/stress.py may be) inherits SIGINT ignored, and so would every process
 # it starts: the tests that interrupt a training process with SIGINT would then wait for
 # an exit that never comes.  Python's own handler here makes children start with the
 # default disposition again (a handled signal is reset by exec).
@@ -26,7 +26,7 @@ settings.load_profile("random" if os.environ.get("SHMLOADER_HYPOTHESIS_RANDOM") 
 
 
 # A loader that deadlocks must fail the run, not hang it: dump every thread's stack and exit
-# (after HANG_TIMEOUT_S, tests/procs.py; a long test re-arms it as it makes progress).
+# (after HANG_TIMEOUT_S, tests/helpers/procs.py; a long test re-arms it as it makes progress).
 @pytest.fixture(autouse=True)
 def _hang_guard():
     rearm_hang_guard(HANG_TIMEOUT_S)

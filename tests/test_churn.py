@@ -27,8 +27,8 @@ import time
 import pytest
 
 from shmloader import DataLoader
-from tests.datasets import Images
-from tests.procs import our_segments, own_children, rearm_hang_guard, wait_gone
+from tests.helpers.datasets import Images
+from tests.helpers.procs import our_segments, own_children, rearm_hang_guard, wait_gone
 
 # Slots coming back while a batch is held is part of what is watched: small leaves stay
 # views.

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import traceback
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,8 +25,8 @@ from shmloader import compare
 from shmloader.bench import verdict
 from shmloader.bench.check import EXACT, STRUCTURE, first_epoch_check
 from shmloader.bench.progress import ProgressBar
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 # Short runs: two batches per epoch, one timed epoch per loader, no memory epochs.
 SHORT = [
     "--num-workers",

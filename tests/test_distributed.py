@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.utils.data as tud
 
 from shmloader import DataLoader as ShmDataLoader
-from tests import datasets as D
+from tests.helpers import ROOT
+from tests.helpers import datasets as D
 
 TorchDataLoader = tud.DataLoader
 HARD_TIMEOUT_S = 150
@@ -120,9 +121,9 @@ def _launch_ranks(out_dir):
     """Start the ranks as fresh interpreters, like torchrun does (so the workers' default start
     method is the platform's, fork on Linux), and wait for them with a hard deadline."""
     port = _free_port()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     )
     procs = []
     for rank in range(WORLD):
@@ -131,7 +132,7 @@ def _launch_ranks(out_dir):
             subprocess.Popen(
                 [sys.executable, "-c", code],
                 env=env,
-                cwd=root,
+                cwd=ROOT,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

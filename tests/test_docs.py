@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import shmloader
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 OPTIONS = DOCS / "options.md"

@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 
 from shmloader import DataLoader as ShmDataLoader
 from shmloader._main import _torch_api
-from tests import datasets as D
-from tests.procs import wait_until
+from tests.helpers import datasets as D
+from tests.helpers.procs import wait_until
 
 TorchDataLoader = tud.DataLoader
 SEED = 20240611

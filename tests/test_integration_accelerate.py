@@ -2,7 +2,7 @@
 loader (a torch DataLoader inside its DataLoaderShard), one process and two
 (`accelerate launch`), and the warning of the plain accelerator.prepare(loader).
 
-tests/accelerate_driver.py runs each scenario both ways in one program and writes what
+tests/helpers/accelerate_driver.py runs each scenario both ways in one program and writes what
 every rank saw; here the two are compared, and shmloader's stats() must count every
 batch as carried in a ring slot.
 """
@@ -15,7 +15,8 @@ import warnings
 import pytest
 import torch
 
-from tests.procs import run_job
+from tests.helpers import ROOT
+from tests.helpers.procs import run_job
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -26,12 +27,11 @@ from shmloader.integrations.accelerate import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.integrations
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT_S = 240
 
 
 def _driver(tmp_path, launcher):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = run_job(launcher + [str(tmp_path)], LIMIT_S, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout[-6000:]
     ranks = sorted(f for f in os.listdir(tmp_path) if f.startswith("rank"))
@@ -70,7 +70,7 @@ def _check(ranks, world):
 
 @pytest.mark.slow
 def test_one_process_through_the_ring(tmp_path):
-    _check(_driver(tmp_path, [sys.executable, "-m", "tests.accelerate_driver"]), 1)
+    _check(_driver(tmp_path, [sys.executable, "-m", "tests.helpers.accelerate_driver"]), 1)
 
 
 @pytest.mark.slow
@@ -81,7 +81,7 @@ def test_two_processes_through_the_ring(tmp_path):
         *(sys.executable, "-m", "accelerate.commands.launch"),
         *("--multi_gpu", "--num_processes", "2", "--num_machines", "1"),
         *("--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"),
-        *("-m", "tests.accelerate_driver"),
+        *("-m", "tests.helpers.accelerate_driver"),
     ]
     _check(_driver(tmp_path, launcher), 2)
 

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.integrations
 pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT  # noqa: E402
+
 DDP_TIMEOUT_S = 180
 N = 16  # samples; batch_size 4 -> 4 batches an epoch (2 per rank under DDP)
 BATCH = 4
@@ -186,7 +187,7 @@ def _ddp_run(strategy: str, kind: str, out: str) -> None:
 def _ddp(strategy, kind, tmp_path):
     out = tmp_path / f"{strategy}_{kind}"
     out.mkdir()
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run(
         [sys.executable, "-m", "tests.test_integration_lightning", strategy, kind, str(out)],

@@ -1,6 +1,6 @@
 """shmloader under real torchrun (python -m torch.distributed.run), gloo on localhost, CPU.
 
-Each job runs tests/torchrun_driver.py: a tiny DDP model trained for 3 epochs on a synthetic
+Each job runs tests/helpers/torchrun_driver.py: a tiny DDP model trained for 3 epochs on a synthetic
 map-style dataset with random augmentation drawn in the loader's workers, through
 shmloader.DataLoader over a DistributedSampler(shuffle=True, fixed seed), 2 workers,
 set_epoch each epoch.  Every rank writes what it trained on as JSON; the test compares.
@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 import torch.utils.data as tud
 
-from tests import torchrun_driver as drv
-from tests.procs import alive, our_segments, wait_gone
+from tests.helpers import ROOT
+from tests.helpers import torchrun_driver as drv
+from tests.helpers.procs import alive, our_segments, wait_gone
 from tests.test_distributed import _free_port
 
 pytestmark = [
@@ -49,7 +50,6 @@ pytestmark = [
     ),
 ]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB_TIMEOUT_S = 120  # one torchrun job, start to end, on a loaded 2-core machine
 END_TIMEOUT_S = 45  # after a failure or a kill: every process of the job gone
 # A rank stuck this long dumps its stacks and exits (so a hang ends the job, never the test).
@@ -81,7 +81,7 @@ class Job:
     def env(self):
         env = dict(os.environ)
         env.update(
-            PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             OMP_NUM_THREADS="1",
             TORCHRUN_DRIVER_WATCHDOG=str(DRIVER_WATCHDOG_S),
             TORCHRUN_DRIVER_PAUSE=str(self.pause_s),
@@ -92,7 +92,7 @@ class Job:
     def start(self, torchrun_args, driver_args):
         log = self.tmp / f"{self.name}.agent{len(self.agents)}.log"
         cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
-        cmd += ["--max-restarts=0", "--monitor-interval=0.1", "-m", "tests.torchrun_driver"]
+        cmd += ["--max-restarts=0", "--monitor-interval=0.1", "-m", "tests.helpers.torchrun_driver"]
         cmd += [str(self.out), *driver_args]
         if self.shm is not None:  # the agent execs torchrun in its own /dev/shm (same pid)
             cmd = ["unshare", "-m", "sh", "-c", _BIND_SHM, "sh", str(self.shm), *cmd]
@@ -279,7 +279,7 @@ def _unheld(names):
 
 
 def _describe(pids):
-    from tests.procs import describe_stuck
+    from tests.helpers.procs import describe_stuck
 
     return describe_stuck(pids)
 

@@ -1,7 +1,7 @@
 """transformers' Trainer with ShmloaderTrainer: training and resuming from a mid-epoch
 checkpoint through shmloader's ring, against the same Trainer with its own loaders.
 
-tests/trainer_driver.py trains both ways (uninterrupted, then resumed from the
+tests/helpers/trainer_driver.py trains both ways (uninterrupted, then resumed from the
 checkpoint mid-way through the second epoch) and writes what each model saw, in one
 process and in two ranks under torchrun.
 """
@@ -12,16 +12,18 @@ import sys
 
 import pytest
 
-from tests.procs import run_job
+from tests.helpers import ROOT
+from tests.helpers.procs import run_job
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.integrations, pytest.mark.slow]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train(tmp_path, launcher):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    done = run_job([*launcher, "-m", "tests.trainer_driver", str(tmp_path)], 300, cwd=ROOT, env=env)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = run_job(
+        [*launcher, "-m", "tests.helpers.trainer_driver", str(tmp_path)], 300, cwd=ROOT, env=env
+    )
     assert done.returncode == 0, done.stdout[-6000:]
     ranks = sorted(f for f in os.listdir(tmp_path) if f.startswith("trainer"))
     return [json.load(open(tmp_path / f)) for f in ranks]

@@ -1,7 +1,7 @@
 """Kill matrix (docs/design.md, contract 5): however the main process ends, and however a
 worker dies or fails, nothing hangs, nothing is left behind, and the error is clear.
 
-Every scenario runs in a process of its own, `python -m tests.kill_driver ...` (see
+Every scenario runs in a process of its own, `python -m tests.helpers.kill_driver ...` (see
 that module), with hard time limits (STARTUP_S to get ready, EVENT_S from the event to
 the exit, DRIVER_S for a whole worker scenario; the driver also dumps its stacks and
 exits after 170 s): a hang fails the test instead of stalling the run.  They bound hangs
@@ -16,7 +16,7 @@ only, generously: on a loaded 2-core machine a spawn scenario alone takes tens o
     EVENT_S of the event; no worker, and no other descendant of the driver (forkserver,
     resource tracker), alive GONE_S after the exit; no "shmloader*" entry in /dev/shm; no
     "Exception ignored" noise on stderr.
-(b) A worker fails, once (tests/datasets.py, FaultOnce & co.): SIGKILL, a
+(b) A worker fails, once (tests/helpers/datasets.py, FaultOnce & co.): SIGKILL, a
     real segfault (SIGSEGV), os._exit(1), an exception in worker_init_fn, in an
     IterableDataset's __iter__, in __getitem__.  Checked: the main process raises
     WorkerDied naming the worker's pid and its signal or exit code, or the worker's
@@ -69,9 +69,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.procs import alive, our_segments
+from tests.helpers import ROOT
+from tests.helpers.procs import alive, our_segments
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Hang bounds, not speed checks (polled: each returns as soon as its event comes).  Within
 # the driver's own WATCHDOG_S + 5 = 170 s, and STARTUP_S + EVENT_S + GONE_S within conftest's
 # hang guard of 240 s.
@@ -174,7 +174,7 @@ def _read(path):
 
 
 def _start(workdir, *args):
-    cmd = [sys.executable, "-m", "tests.kill_driver", *map(str, args)]
+    cmd = [sys.executable, "-m", "tests.helpers.kill_driver", *map(str, args)]
     for attempt in range(2):
         with open(workdir / "out", "wb") as out, open(workdir / "err", "wb") as err:
             # A session of its own: signals for its group reach the driver and its

@@ -23,8 +23,9 @@ import torch.utils.data as tud
 from shmloader import DataLoader, WorkerDied
 from shmloader._main import _torch_api
 from shmloader._shm._ring import CLAIMED
-from tests.datasets import Dying, Failing, Images, Sleepy
-from tests.procs import (
+from tests.helpers import ROOT
+from tests.helpers.datasets import Dying, Failing, Images, Sleepy
+from tests.helpers.procs import (
     describe_stuck,
     open_fds,
     our_segments,
@@ -575,7 +576,7 @@ def test_pipe_ends_finalized_first_leave_the_files_that_reuse_their_numbers(tmp_
 MAIN_SCRIPT = textwrap.dedent("""
     import multiprocessing.util, sys, time
     from shmloader import DataLoader
-    from tests.datasets import WorkerTempDirs
+    from tests.helpers.datasets import WorkerTempDirs
     loader = DataLoader(WorkerTempDirs(10**6), batch_size=4, num_workers=2,
                         persistent_workers=True, multiprocessing_context=sys.argv[1])
     it = iter(loader)
@@ -592,10 +593,9 @@ MAIN_SCRIPT = textwrap.dedent("""
 def main_process(script, *args):
     """A training process running `script`, which prints its workers' pids first: yields
     (the process, those pids); it is killed at the end if still there."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(
         [sys.executable, "-c", script, *args],
-        cwd=root,
+        cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -629,7 +629,7 @@ SIGCHLD_IGNORED_SCRIPT = textwrap.dedent("""
     import signal
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # as servers do, to have children reaped
     from shmloader import DataLoader
-    from tests.datasets import Images
+    from tests.helpers.datasets import Images
     loader = DataLoader(Images(32), batch_size=4, num_workers=2)
     print([sum(1 for _ in loader) for _ in range(3)], flush=True)
 """)
@@ -639,10 +639,9 @@ SIGCHLD_IGNORED_SCRIPT = textwrap.dedent("""
 def test_ignored_sigchld_leaves_every_epoch_whole_like_torch():
     """A process that ignores SIGCHLD: torch's iterator puts its own SIGCHLD handler in
     place, so exited workers can be waited for; every epoch ends cleanly."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run(
         [sys.executable, "-c", SIGCHLD_IGNORED_SCRIPT],
-        cwd=root,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=HANG,
@@ -689,10 +688,9 @@ def test_resource_limits_give_errors_that_name_them(limit):
     little address space (for the ring): the error names the limit to raise, as torch's
     does for files,
     never an internal message ("received 0 items of ancdata")."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run(
         [sys.executable, "-c", LIMITED_SCRIPT, limit],
-        cwd=root,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=HANG,
@@ -719,7 +717,7 @@ def test_a_worker_that_cannot_map_the_ring_names_the_address_space_limit():
 WATCHED_SCRIPT = textwrap.dedent("""
     import os, resource, sys
     from shmloader import DataLoader
-    from tests.datasets import Sleepy
+    from tests.helpers.datasets import Sleepy
     class Busy(Sleepy):
         def __getitem__(self, i):
             print("busy", file=sys.stderr, flush=True)  # (in the worker, its watchdog started)
@@ -816,7 +814,7 @@ INTERRUPTED_SHUTDOWN_SCRIPT = textwrap.dedent("""
     import os, signal, threading, time, sys
     import torch
     import {module} as lib
-    from tests.procs import open_fds, own_children, wait_gone
+    from tests.helpers.procs import open_fds, own_children, wait_gone
 
     class SlowAfterFirstBatch(torch.utils.data.Dataset):
         def __init__(self, busy):
@@ -851,12 +849,11 @@ def test_ctrl_c_while_shutting_down_still_ends_the_workers():
     """As torch's shutdown (terminate in a finally): Ctrl-C while the shutdown waits for a
     worker busy in a slow sample still ends every worker, and closes their fds (torch
     leaves 4 open until its iterator is collected)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     outs = {}
     for module in ("torch.utils.data", "shmloader"):
         done = subprocess.run(
             [sys.executable, "-c", INTERRUPTED_SHUTDOWN_SCRIPT.format(module=module)],
-            cwd=root,
+            cwd=ROOT,
             capture_output=True,
             text=True,
             timeout=HANG,
@@ -900,12 +897,11 @@ def test_a_background_thread_iterating_at_exit_leaves_multiprocessing_its_exit()
     """The main thread returns while a daemon thread iterates: multiprocessing's exit
     handler ends the workers; the thread's iterator must not close them under it (which
     made that handler fail: "process object is closed"), as torch's does not."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for _ in range(4):
         rearm_hang_guard()  # (a bound on each run: four take minutes on a loaded machine)
         done = subprocess.run(
             [sys.executable, "-c", BACKGROUND_THREAD_AT_EXIT_SCRIPT],
-            cwd=root,
+            cwd=ROOT,
             capture_output=True,
             text=True,
             timeout=HANG,
@@ -919,7 +915,7 @@ TRAINING_THREAD_OUTLIVING_MAIN_SCRIPT = textwrap.dedent("""
     import threading
     import torch
     import shmloader
-    from tests.procs import own_children
+    from tests.helpers.procs import own_children
 
     DataLoader = shmloader.DataLoader if sys.argv[1] == "shm" else torch.utils.data.DataLoader
     loader = DataLoader([torch.zeros(4)] * 64, batch_size=4, num_workers=2)
@@ -938,12 +934,11 @@ TRAINING_THREAD_OUTLIVING_MAIN_SCRIPT = textwrap.dedent("""
 def test_a_training_thread_outliving_the_main_thread_ends_each_epochs_workers():
     """A non-daemon thread that trains after the main thread returned: the interpreter is
     not exiting yet, so each epoch's workers are shut down as usual."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def train(loader):
         return subprocess.run(
             [sys.executable, "-c", TRAINING_THREAD_OUTLIVING_MAIN_SCRIPT, loader],
-            cwd=root,
+            cwd=ROOT,
             capture_output=True,
             text=True,
             timeout=HANG,

@@ -22,8 +22,8 @@ import torch
 import torch.utils.data as tud
 
 from shmloader import DataLoader as ShmDataLoader
-from tests import datasets as D
-from tests.procs import deadline
+from tests.helpers import datasets as D
+from tests.helpers.procs import deadline
 from tests.test_equivalence import SEED, seed_all
 
 TorchDataLoader = tud.DataLoader

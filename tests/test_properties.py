@@ -6,7 +6,7 @@
     and None, from a dataset whose samples are a pure function of (seed, index).  Batched by a
     custom collate_fn (identity, or a dict around the list) and by the default collate where
     the structure is collatable.  shmloader's output must equal torch's exactly
-    (tests.datasets.assert_same: type, dtype, shape, bit-identical values, structure).
+    (tests.helpers.datasets.assert_same: type, dtype, shape, bit-identical values, structure).
 
 (b) The slot-metadata decoder (_layout.loads) fed corrupted metadata: real metadata written
     by _layout.dumps over an Arena in a real ring slot, then bytes flipped, inserted, deleted
@@ -46,8 +46,8 @@ from shmloader import DataLoader as ShmDataLoader
 from shmloader._shm import _layout
 from shmloader._shm._ring import Ring
 from shmloader._worker._arena import Arena
-from tests import datasets as D
-from tests.procs import rearm_hang_guard
+from tests.helpers import datasets as D
+from tests.helpers.procs import rearm_hang_guard
 
 # Module-level so that batches pickle (torch's transport, spawn) by reference.
 NT1 = collections.namedtuple("NT1", ["a"])
@@ -297,7 +297,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
 @contextlib.contextmanager
 def _tensor_bits_for_any_strides():
-    """tests/datasets.py's _tensor_bits raises RuntimeError ("self.stride(-1) must be 1 to
+    """tests/helpers/datasets.py's _tensor_bits raises RuntimeError ("self.stride(-1) must be 1 to
     view ... as Byte") for tensors that torch calls contiguous although their last stride is
     not 1: empty tensors with a zero stride (torch.from_numpy(np.zeros(0, "f4")), stride
     (0,)) and tensors with size-1 dimensions (torch.zeros(3)[1::2], shape (1,), stride (2,)),

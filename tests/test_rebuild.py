@@ -8,7 +8,7 @@ import torch.utils.data as tud
 
 from shmloader import DataLoader
 from shmloader._features._rebuild import options, torch_arguments
-from tests import datasets as D
+from tests.helpers import datasets as D
 
 CASES = {
     "shuffle, generator": lambda: dict(

@@ -2,7 +2,7 @@
 batches of an epoch, a new loader in a fresh process given the state yields batches k + 1...
 of that epoch and then the following epochs exactly as the uninterrupted run did.
 
-The loaders run in tests/resume_driver.py (see its docstring for scenarios, interrupt points
+The loaders run in tests/helpers/resume_driver.py (see its docstring for scenarios, interrupt points
 and the user's training loop).  A module fixture runs two processes over every scenario:
 "full" (the uninterrupted run, then the same run saving a checkpoint at every interrupt
 point: every k of epoch 0 - k = 0 right after iter() up to k = the epoch's length before
@@ -75,10 +75,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests import resume_driver as D
-from tests.procs import rearm_hang_guard
+from tests.helpers import ROOT
+from tests.helpers import resume_driver as D
+from tests.helpers.procs import rearm_hang_guard
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A backstop only: the driver's own watchdog ends it when one scenario stalls (see
 # resume_driver.py); the whole matrix takes minutes on a loaded 2-core machine.
 DRIVER_TIMEOUT_S = 1800
@@ -88,7 +88,7 @@ REPLAY = [s for s in SCENARIOS if s.startswith("iterable_replay")]
 
 def drive(*args, timeout=DRIVER_TIMEOUT_S):
     return subprocess.run(
-        [sys.executable, "-m", "tests.resume_driver", *map(str, args)],
+        [sys.executable, "-m", "tests.helpers.resume_driver", *map(str, args)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -303,7 +303,15 @@ def test_interrupted_processes(matrix, tmp_path):
     alive), each resumed in another process: the uninterrupted run again."""
     procs = []
     for name, point in INTERRUPTS:
-        cmd = [sys.executable, "-m", "tests.resume_driver", "interrupt", str(tmp_path), name, point]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.helpers.resume_driver",
+            "interrupt",
+            str(tmp_path),
+            name,
+            point,
+        ]
         procs.append(
             subprocess.Popen(
                 cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -23,9 +23,9 @@ import torch.utils.data as tud
 
 from shmloader import DataLoader as ShmDataLoader
 from shmloader import SampleLayoutError, WorkerDied
-from tests import datasets as D
-from tests.datasets import Dying, Images, Sleepy
-from tests.procs import deadline, our_segments, own_children, wait_gone
+from tests.helpers import datasets as D
+from tests.helpers.datasets import Dying, Images, Sleepy
+from tests.helpers.procs import deadline, our_segments, own_children, wait_gone
 from tests.test_equivalence import (
     SEED,
     Fresh,

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import rearm_hang_guard, run_job
+from tests.helpers import ROOT
+from tests.helpers.procs import rearm_hang_guard, run_job
 
 # Builds the C ring with gcc sanitizers and stresses it: deselect with -m "not sanitizers".
 pytestmark = [pytest.mark.sanitizers, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "tests" / "c" / "ring_stress.c", ROOT / "csrc" / "shmring.c"]
 CC = os.environ.get("CC", "gcc")
 # A bound on a hang of a whole ring_stress run (its own checks catch a stall within

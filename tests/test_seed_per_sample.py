@@ -16,7 +16,7 @@ import torch
 import torch.utils.data as tud
 
 from shmloader import DataLoader as ShmDataLoader
-from tests import datasets as D
+from tests.helpers import datasets as D
 from tests.test_equivalence import SEED, gen, run, seed_all
 
 P = functools.partial

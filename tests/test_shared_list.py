@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 import shmloader
 from shmloader import SharedList, shared_list
-from tests.procs import alive, preload_library, wait_until
+from tests.helpers import ROOT
+from tests.helpers.procs import alive, preload_library, wait_until
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTEXTS = ["fork", "spawn", "forkserver"]
 LOADERS = {"torch": torch.utils.data.DataLoader, "shmloader": shmloader.DataLoader}
 SEGMENT_NAME = "/memfd:shmloader-list"

@@ -16,8 +16,9 @@ import torch.utils.data as tud
 
 from shmloader import DataLoader, SharedMemoryError
 from shmloader._shm._ring import Ring
-from tests.datasets import Images
-from tests.procs import HANG_TIMEOUT_S, deadline, preload_library
+from tests.helpers import ROOT
+from tests.helpers.datasets import Images
+from tests.helpers.procs import HANG_TIMEOUT_S, deadline, preload_library
 
 SLOT = 1 << 20
 
@@ -254,7 +255,7 @@ import sys, warnings
 import torch
 from torch.utils.data import DataLoader as TorchLoader
 from shmloader import DataLoader
-from tests.datasets import Images
+from tests.helpers.datasets import Images
 
 warnings.simplefilter("ignore")
 # 4.7 MB batches in a 64 MB /dev/shm, as Docker's default: a training loader alive
@@ -279,7 +280,7 @@ print("same as torch" if ok else "differs", train.stats().slot_batches, flush=Tr
 NEW_LOADER_AFTER_TRAINING_SCRIPT = """
 import torch
 from shmloader import DataLoader
-from tests.datasets import Images
+from tests.helpers.datasets import Images
 
 # 9.6 MB batches in a 64 MB /dev/shm: after two epochs of training, a new loader (an
 # evaluation) whose first batches travel outside the ring while its ring is sized.
@@ -304,11 +305,10 @@ def _run_in_a_64_mb_dev_shm(script):
     )
     if probe.returncode != 0:
         pytest.skip("needs `unshare -m` and mount (root) for a private 64 MB /dev/shm")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     command = f'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} -c "$0"'
     done = subprocess.run(
         ["unshare", "-m", "sh", "-c", command, script],
-        cwd=root,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
@@ -339,7 +339,7 @@ REAL_CGROUP_SCRIPT = """
 import os, sys
 from shmloader import DataLoader
 from shmloader._shm import _memory
-from tests.datasets import Images
+from tests.helpers.datasets import Images
 
 # Fill this cgroup to its limit with page cache: a dataset's files, read once.
 block = os.urandom(1 << 20)
@@ -382,7 +382,7 @@ def test_page_cache_in_a_real_memory_cgroup_leaves_room_for_the_ring(tmp_path):
             capture_output=True,
             text=True,
             timeout=HANG_TIMEOUT_S,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            cwd=ROOT,
         )
         assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-3000:])
         total, room_mb, words = out.stdout.split(" ", 2)

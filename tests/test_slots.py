@@ -11,7 +11,6 @@ import sys
 import time
 import warnings
 import weakref
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,9 +18,10 @@ import torch
 
 from shmloader import DataLoader, SharedMemoryError
 from shmloader._shm import _layout, _slot_rules
-from tests import datasets as D
-from tests.datasets import Buckets, Images
-from tests.procs import wait_gone
+from tests.helpers import ROOT
+from tests.helpers import datasets as D
+from tests.helpers.datasets import Buckets, Images
+from tests.helpers.procs import wait_gone
 
 # Slots held by batches are what these tests are about: small leaves stay views.
 pytestmark = pytest.mark.usefixtures("views_only")
@@ -312,7 +312,7 @@ def test_default_collate_spill_is_not_corrupted_by_slot_reuse():
 NO_ROOM_SCRIPT = """
 import sys, warnings, torch, torch.utils.data as tud
 import shmloader
-from tests.datasets import Images
+from tests.helpers.datasets import Images
 
 class Growing(tud.Dataset):  # batches of 2 grow from 2 KB to 12 KB
     def __len__(self): return 12
@@ -338,7 +338,7 @@ for _ in range(len(loader)):
 @pytest.fixture(scope="module")
 def no_room_for_torch(tmp_path_factory):
     """An LD_PRELOAD library under which torch's shared memory finds /dev/shm full."""
-    source = Path(__file__).parent / "c" / "no_room_for_torch.c"
+    source = ROOT / "tests" / "c" / "no_room_for_torch.c"
     library = tmp_path_factory.mktemp("shim") / "no_room_for_torch.so"
     build = subprocess.run(
         [
@@ -367,10 +367,9 @@ def test_batches_outside_the_ring_need_no_room_in_dev_shm(no_room_for_torch, cas
     or came while every slot was held, come whole in one-off memfd segments."""
 
     def run(which):
-        root = Path(__file__).parent.parent
         out = subprocess.run(
             [sys.executable, "-c", NO_ROOM_SCRIPT, which],
-            cwd=root,
+            cwd=ROOT,
             timeout=120,
             env={**os.environ, "LD_PRELOAD": str(no_room_for_torch)},
             capture_output=True,
@@ -729,7 +728,7 @@ def test_non_persistent_iterators_reuse_one_ring():
     "kind", ["plain", "transposed", "conj", "grad", "mixed_dtype", "mixed_shape"]
 )
 def test_stacking_into_slot_matches_torch_stack(kind):
-    from tests.datasets import Rows
+    from tests.helpers.datasets import Rows
 
     def run(cls, **kw):
         out = []

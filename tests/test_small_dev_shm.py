@@ -11,9 +11,8 @@ import sys
 
 import pytest
 
-from tests.procs import alive, preload_library, wait_until
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
+from tests.helpers.procs import alive, preload_library, wait_until
 
 # What every script starts with: torch's batches to compare against (num_workers=0:
 # torch's own loader needs no shared memory then), and a check that nothing of ours was
@@ -23,7 +22,7 @@ import os, sys
 import torch
 from torch.utils.data import DataLoader as TorchLoader
 from shmloader import DataLoader
-from tests.datasets import Images
+from tests.helpers.datasets import Images
 
 def same(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
@@ -103,7 +102,7 @@ if __name__ == "__main__":
 
 OUTSIDE_THE_RING_SCRIPT = """
 import warnings
-from tests.datasets import Buckets
+from tests.helpers.datasets import Buckets
 warnings.simplefilter("ignore")
 if __name__ == "__main__":
     data = Images(200, shape=(3, 64, 64))

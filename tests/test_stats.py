@@ -12,8 +12,8 @@ import torch
 import torch.utils.data as tud
 
 from shmloader import DataLoader, LoaderStats
-from tests import datasets as D
-from tests.datasets import Images
+from tests.helpers import datasets as D
+from tests.helpers.datasets import Images
 
 # Slots held by batches are what these tests are about: small leaves stay views.
 pytestmark = pytest.mark.usefixtures("views_only")

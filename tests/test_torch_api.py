@@ -5,16 +5,16 @@ import ast
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from shmloader import DataLoader
 from shmloader._main import _torch_api
-from tests.datasets import Images
+from tests.helpers import ROOT
+from tests.helpers.datasets import Images
 
-PACKAGE = Path(__file__).parent.parent / "shmloader"
+PACKAGE = ROOT / "shmloader"
 
 
 def _private_torch_imports():

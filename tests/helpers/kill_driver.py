@@ -2,8 +2,8 @@
 
 Run from the repository root:
 
-    python -m tests.kill_driver main   --how HOW --when WHEN --ctx CTX --persistent 0|1
-    python -m tests.kill_driver worker --fault FAULT --ctx CTX --persistent 0|1
+    python -m tests.helpers.kill_driver main   --how HOW --when WHEN --ctx CTX --persistent 0|1
+    python -m tests.helpers.kill_driver worker --fault FAULT --ctx CTX --persistent 0|1
 
 Every line the test reads is "KD " + one JSON object with an "event" key; anything
 else on stdout/stderr (workers' tracebacks, the segfault message) is for humans.
@@ -17,7 +17,7 @@ a training script's top level does); HOW=exception raises an uncaught
 RuntimeError; HOW=sigint/sigterm/sigkill waits (iterating, or sleeping between
 epochs) for the test to send that signal.
 
-`worker`: one worker fails once (see tests/datasets.py, FaultOnce &
+`worker`: one worker fails once (see tests/helpers/datasets.py, FaultOnce &
 co.), by FAULT = sigkill, sigsegv, exit (os._exit(1)), init (worker_init_fn
 raises LookupError), iter (IterableDataset.__iter__ raises KeyError), getitem
 (__getitem__ raises ValueError), or idle-sigkill (the driver SIGKILLs a
@@ -45,15 +45,15 @@ import time
 # At the top, as in a training script: a forkserver then imports torch once (see
 # preload_forkserver) and spawned workers import this module as __mp_main__ anyway.
 from shmloader import DataLoader
-from tests.datasets import (
+from tests.helpers.datasets import (
     FaultOnce,
     Images,
     InitFailsOnce,
     Sleepy,
     StreamFailsOnce,
 )
-from tests.procs import alive, open_fds, own_children, wait_gone
-from tests.procs import our_segments as segments
+from tests.helpers.procs import alive, open_fds, own_children, wait_gone
+from tests.helpers.procs import our_segments as segments
 
 BATCHES = 32  # of the `worker` loaders: 64 samples, batch_size 2
 DEATHS = ("sigkill", "sigsegv", "exit", "idle-sigkill")
@@ -77,7 +77,7 @@ def preload_forkserver():
     (the forkserver preloads only a main module given by path), so say it."""
     import multiprocessing
 
-    multiprocessing.set_forkserver_preload(["shmloader", "tests.datasets"])
+    multiprocessing.set_forkserver_preload(["shmloader", "tests.helpers.datasets"])
 
 
 def start_helpers(ctx):

@@ -2,9 +2,11 @@
 checkpointed mid-epoch, resumed: writes what each run's model saw to
 <out>/trainer<RANK>.json.
 
-    python -m tests.trainer_driver OUT
-    torchrun --nproc-per-node=2 -m tests.trainer_driver OUT   # (-m: tests/ itself is not on sys.path, its
-                                         # datasets.py would pass for Hugging Face datasets)
+    python -m tests.helpers.trainer_driver OUT
+    torchrun --nproc-per-node=2 -m tests.helpers.trainer_driver OUT
+
+(-m, from the repository's root: run as a script, tests/helpers/ would be on sys.path and its
+datasets.py would pass for Hugging Face's datasets.)
 """
 
 import json

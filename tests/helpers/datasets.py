@@ -1288,7 +1288,7 @@ class Rows(SizedMap):
 
 
 # --------------------------------------------------------------------------- faults that fire once
-# For tests/kill_driver.py.  The first process to create `stamp` (O_EXCL) fires the
+# For tests/helpers/kill_driver.py.  The first process to create `stamp` (O_EXCL) fires the
 # fault, after writing "<time.monotonic()> <pid>" there; every later call, in any process, does
 # not.  So the fault is transient (one bad read, one OOM kill) and the next epoch, with fresh or
 # persistent workers, must work.  time.monotonic() is CLOCK_MONOTONIC, the same clock in every

@@ -1,6 +1,6 @@
 """Training script that tests/test_integration_torchrun.py runs under real torchrun.
 
-    torchrun ... -m tests.torchrun_driver OUT [--torch-ref] [--save-at E,K] [--resume]
+    torchrun ... -m tests.helpers.torchrun_driver OUT [--torch-ref] [--save-at E,K] [--resume]
                                               [--raise-at R@E,K] [--pause-at R@E,K] [--epochs N]
 
 Every rank trains a tiny DDP model (gloo, CPU) on AugDataset, a synthetic map-style dataset

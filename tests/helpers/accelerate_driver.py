@@ -2,8 +2,8 @@
 prepared loader (a torch DataLoader inside) and through shmloader's
 prepare_data_loader, writing what each rank saw to <out>/rank<R>.json.
 
-    python tests/accelerate_driver.py OUT          # one process
-    torchrun --nproc_per_node=2 tests/accelerate_driver.py OUT
+    python -m tests.helpers.accelerate_driver OUT          # one process
+    torchrun --nproc_per_node=2 -m tests.helpers.accelerate_driver OUT
 """
 
 import json

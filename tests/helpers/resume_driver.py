@@ -1,16 +1,16 @@
 """Driver for tests/test_resume.py: every loader of those tests runs here, in a process of
 its own, so that a state is saved by one process and resumed by another (fresh) one.
 
-    python -m tests.resume_driver full OUT SCEN[,SCEN...]
+    python -m tests.helpers.resume_driver full OUT SCEN[,SCEN...]
         For each scenario: the uninterrupted run (EPOCHS epochs, no state_dict() call) and a
         second, identical run that saves a checkpoint at every interrupt point to
         OUT/SCEN__POINT.pt (torch.save of {"loader": loader.state_dict(), "torch_rng":
         torch.get_rng_state()}); both runs' batches go to OUT/full.pkl.
-    python -m tests.resume_driver interrupt OUT SCEN POINT
+    python -m tests.helpers.resume_driver interrupt OUT SCEN POINT
         Runs SCEN's training loop up to POINT, saves the checkpoint to OUT/SCEN__POINT.pt
         and exits at once (sys.exit with the iterator and its workers
         alive, as a killed job would leave them).
-    python -m tests.resume_driver resume OUT SCEN[,SCEN...]
+    python -m tests.helpers.resume_driver resume OUT SCEN[,SCEN...]
         For every OUT/SCEN__*.pt, in turn: the driver's RNGs seeded as at start-up, a new
         loader, load_state_dict() of the checkpoint read by torch.load(weights_only=True),
         then the training loop from the user's epoch of that point to the end; batches,
@@ -53,7 +53,7 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from tests.datasets import EpochRandomSampler
+from tests.helpers.datasets import EpochRandomSampler
 
 EPOCHS = 3
 SEED = 1234  # the driver's global RNGs, at start-up and before every run
@@ -520,6 +520,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from tests.resume_driver import main as _main  # the importable copy (pickling by name)
+    from tests.helpers.resume_driver import main as _main  # the importable copy (pickling by name)
 
     _main(sys.argv[1:])
