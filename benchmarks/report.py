@@ -181,7 +181,7 @@ def train_markdown(document: dict[str, Any]) -> list[str]:
 # The figures section of docs/benchmarks.md, written from the JSON in benchmarks/results/
 # (`python benchmarks/report.py`), never by hand. The results folder is not kept by git:
 # the section shows whatever runs are there when it is written, and records each file's
-# digest, so that tests/test_docs.py can tell whether the page still matches a file it finds.
+# digest, so that tests/unit/test_docs.py can tell whether the page still matches a file it finds.
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS_PAGE = ROOT / "docs" / "benchmarks.md"

@@ -7,7 +7,7 @@ base it had before that base came (RuntimeError for all three), so an
 `except RuntimeError` written for them still catches them.  Errors of the
 user's code (dataset, sampler, collate_fn) are not shmloader's: they are
 re-raised with their own types, as torch re-raises them (contract 5).
-tests/test_errors.py holds both to it.
+tests/unit/test_errors.py holds both to it.
 
 RingBypassedWarning is a warning, not an error: it stays a UserWarning and
 is no ShmloaderError (under `-W error` it is raised, and a handler for the

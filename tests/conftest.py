@@ -19,7 +19,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 # The property tests draw the same examples on every run unless asked not to, so that a
 # red CI run is the code's doing and reproducible, not the draw's.  A longer, random
 # hunt (the hang guard below must allow it the time): SHMLOADER_HYPOTHESIS_RANDOM=1
-# SHMLOADER_FUZZ_EXAMPLES=20000 SHMLOADER_TEST_HANG_TIMEOUT=7200 python -m pytest tests/test_properties.py
+# SHMLOADER_FUZZ_EXAMPLES=20000 SHMLOADER_TEST_HANG_TIMEOUT=7200 python -m pytest tests/unit/test_properties.py
 settings.register_profile("fixed", derandomize=True)
 settings.register_profile("random", derandomize=False)
 settings.load_profile("random" if os.environ.get("SHMLOADER_HYPOTHESIS_RANDOM") else "fixed")

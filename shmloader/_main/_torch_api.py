@@ -17,7 +17,7 @@ import torch
 SUPPORTED = "torch>=2.6"
 
 # (module, name) of every private torch name used anywhere in shmloader
-# (tests/test_torch_api.py checks the imports against it).
+# (tests/unit/test_torch_api.py checks the imports against it).
 _NEEDED = [
     ("torch", "_neg_view"),
     ("torch._C", "_get_privateuse1_backend_name"),

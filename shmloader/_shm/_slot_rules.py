@@ -19,7 +19,7 @@ drift apart:
   torch cannot batch fails with torch's error.
 
 The sets differ on purpose: PLAIN_DTYPES is the dtypes known to stack as
-any other, a subset of those a slot holds (tests/test_slots.py checks it);
+any other, a subset of those a slot holds (tests/unit/test_slots.py checks it);
 a slot also holds the rarer ones (float8, complex32, ...), which torch's
 collate decides on.
 """

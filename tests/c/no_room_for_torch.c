@@ -1,4 +1,4 @@
-/* LD_PRELOAD shim for tests/test_slots.py: sizing torch's shared-memory
+/* LD_PRELOAD shim for tests/unit/test_slots.py: sizing torch's shared-memory
  * files (/dev/shm/torch_*) fails with ENOSPC, as in a full /dev/shm, while
  * shmloader's memory is untouched: torch raises its own "unable to resize
  * file" error.  ftruncate, because every torch calls it first; a later torch

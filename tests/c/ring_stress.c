@@ -1,6 +1,6 @@
 /*
  * ring_stress: a standalone stress test of the C ring (csrc/shmring.c), meant
- * to be built plain and under sanitizers (tests/test_sanitizers.py does both).
+ * to be built plain and under sanitizers (tests/robustness/test_sanitizers.py does both).
  *
  *   gcc -std=c11 -O2 -Icsrc tests/c/ring_stress.c csrc/shmring.c -pthread -o ring_stress
  *   ./ring_stress [-r process_rounds] [-t thread_rounds] [-p producers] [-n threads]

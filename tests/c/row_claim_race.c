@@ -1,6 +1,6 @@
 /*
  * row_claim_race: a producer late to a row-by-row batch must take no row of
- * the slot's next batch (tests/test_sanitizers.py builds and runs it).
+ * the slot's next batch (tests/robustness/test_sanitizers.py builds and runs it).
  *
  *   gcc -std=c11 -Icsrc -DSHMRING_ROW_CAS_PAUSE=row_cas_pause_here \
  *       tests/c/row_claim_race.c csrc/shmring.c -pthread -o row_claim_race

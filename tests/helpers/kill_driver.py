@@ -1,4 +1,4 @@
-"""One kill/fault scenario of tests/test_kill_matrix.py, in a process of its own.
+"""One kill/fault scenario of tests/robustness/test_kill_matrix.py, in a process of its own.
 
 Run from the repository root:
 

@@ -1,4 +1,5 @@
-"""What the failure and churn tests look at, read from /proc and /dev/shm."""
+"""Processes in the tests: what the failure and churn tests look at, read from /proc and
+/dev/shm; hard time limits; a job run in a session of its own; a free port for a rendezvous."""
 
 import faulthandler
 import os
@@ -164,3 +165,12 @@ def run_job(command, limit: float, **kwargs):
         except ProcessLookupError:
             pass
     return subprocess.CompletedProcess(command, process.returncode, output)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

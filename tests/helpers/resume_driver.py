@@ -1,4 +1,4 @@
-"""Driver for tests/test_resume.py: every loader of those tests runs here, in a process of
+"""Driver for tests/equivalence/test_resume.py: every loader of those tests runs here, in a process of
 its own, so that a state is saved by one process and resumed by another (fresh) one.
 
     python -m tests.helpers.resume_driver full OUT SCEN[,SCEN...]

@@ -3,8 +3,8 @@ least once: the suite's verdicts must not depend on how loaded the machine is (C
 shared 2-core machine).
 
     python tests/helpers/stress.py --runs 3                                  # the whole suite
-    python tests/helpers/stress.py --runs 10 tests/test_kill_matrix.py tests/test_lifecycle.py
-    python tests/helpers/stress.py --runs 20 tests/test_equivalence.py -- -k shallow_copy
+    python tests/helpers/stress.py --runs 10 tests/robustness/test_kill_matrix.py tests/robustness/test_lifecycle.py
+    python tests/helpers/stress.py --runs 20 tests/equivalence/test_equivalence.py -- -k shallow_copy
 
 Load comes from `stress-ng --cpu N` where Debian's stress-ng is installed, else from N
 busy-loop processes (N = the number of cores unless --load says otherwise).  Each run's

@@ -1,4 +1,4 @@
-"""Training script that tests/test_integration_torchrun.py runs under real torchrun.
+"""Training script that tests/integrations/test_torchrun.py runs under real torchrun.
 
     torchrun ... -m tests.helpers.torchrun_driver OUT [--torch-ref] [--save-at E,K] [--resume]
                                               [--raise-at R@E,K] [--pause-at R@E,K] [--epochs N]

@@ -9,7 +9,7 @@ dividing the epoch's batches, which Lightning resumes into the next epoch).
 
 The DDP runs go through this file as a program, in a subprocess under a hard timeout:
 
-    python -m tests.test_integration_lightning STRATEGY LOADER OUT
+    python -m tests.integrations.test_lightning STRATEGY LOADER OUT
 
 (LOADER "shm" or "torch"): Lightning's "ddp" launcher runs that command again for rank 1;
 each rank writes OUT/STRATEGY_LOADER_rankR.json with the batches it trained and the loader it
@@ -190,7 +190,7 @@ def _ddp(strategy, kind, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_integration_lightning", strategy, kind, str(out)],
+        [sys.executable, "-m", "tests.integrations.test_lightning", strategy, kind, str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -16,8 +16,8 @@ import torch
 import torch.utils.data as tud
 
 from shmloader import DataLoader as ShmDataLoader
+from tests.equivalence.test_equivalence import SEED, gen, run, seed_all
 from tests.helpers import datasets as D
-from tests.test_equivalence import SEED, gen, run, seed_all
 
 P = functools.partial
 N, BS = 12, 4

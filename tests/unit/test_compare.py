@@ -3,7 +3,7 @@ its progress lines, its conclusion, and a clear error with a non-zero exit for e
 input. No timing is asserted: the figures are checked for being there and consistent.
 
 The datasets and factories below are module-level so that the command can name them
-(tests.test_compare:tiny) and the workers can unpickle them. The memory figures and the
+(tests.unit.test_compare:tiny) and the workers can unpickle them. The memory figures and the
 chart need the bench extra (psutil, matplotlib) and are skipped without it; everything
 else runs with the test extra alone.
 """
@@ -198,16 +198,16 @@ def test_a_run_prints_and_writes_every_figure(capsys, tmp_path):
     status, out, err = run(
         capsys,
         "--dataset",
-        "tests.test_compare:tiny",
+        "tests.unit.test_compare:tiny",
         "--dataset-args",
         '{"length": 40}',
         *SHORT,
         "--shuffle",
         "--persistent-workers",
         "--collate-fn",
-        "tests.test_compare:as_dict",
+        "tests.unit.test_compare:as_dict",
         "--worker-init-fn",
-        "tests.test_compare:worker_init",
+        "tests.unit.test_compare:worker_init",
         "--step-ms",
         "1",
         "--json",
@@ -222,8 +222,8 @@ def test_a_run_prints_and_writes_every_figure(capsys, tmp_path):
     assert "check: shmloader yielded exactly the same 2 batches as torch" in out
     record = json.loads(out_json.read_text())
     assert record["machine"]["torch"] == torch.__version__ and record["machine"]["cores"] >= 1
-    assert record["dataset"]["call"] == "tests.test_compare:tiny(length=40)"
-    assert record["loader_args"]["collate_fn"] == "tests.test_compare:as_dict"
+    assert record["dataset"]["call"] == "tests.unit.test_compare:tiny(length=40)"
+    assert record["loader_args"]["collate_fn"] == "tests.unit.test_compare:as_dict"
     assert record["settings"]["batches_per_epoch"] == 2
     assert record["check"] == {
         "mode": EXACT,
@@ -281,7 +281,7 @@ def test_a_dataset_file_imports_the_modules_beside_it(capsys, tmp_path, monkeypa
 
 
 def test_a_stream_dataset_is_measured(capsys):
-    status, out, err = run(capsys, "--dataset", "tests.test_compare:stream", *SHORT)
+    status, out, err = run(capsys, "--dataset", "tests.unit.test_compare:stream", *SHORT)
     assert status == 0, err
     assert "yielded exactly the same 2 batches" in out
 
@@ -290,7 +290,13 @@ def test_memory_figures_with_psutil(capsys, tmp_path):
     pytest.importorskip("psutil")
     out_json = tmp_path / "figures.json"
     status, out, err = run(
-        capsys, "--dataset", "tests.test_compare:tiny", *SHORT[:-1], "1", "--json", str(out_json)
+        capsys,
+        "--dataset",
+        "tests.unit.test_compare:tiny",
+        *SHORT[:-1],
+        "1",
+        "--json",
+        str(out_json),
     )
     assert status == 0, err
     for figures in json.loads(out_json.read_text())["loaders"].values():
@@ -305,7 +311,7 @@ def test_plot_draws_a_png(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     chart = tmp_path / "compare.png"
     status, out, err = run(
-        capsys, "--dataset", "tests.test_compare:tiny", *SHORT, "--plot", str(chart)
+        capsys, "--dataset", "tests.unit.test_compare:tiny", *SHORT, "--plot", str(chart)
     )
     assert status == 0, err
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -317,14 +323,14 @@ def test_plot_draws_a_png(capsys, tmp_path):
 
 def test_random_augmentations_the_loaders_seed_are_compared_exactly(capsys):
     status, out, err = run(
-        capsys, "--dataset", "tests.test_compare:seeded_augment", *SHORT, "--shuffle"
+        capsys, "--dataset", "tests.unit.test_compare:seeded_augment", *SHORT, "--shuffle"
     )
     assert status == 0, err
     assert "yielded exactly the same 2 batches" in out
 
 
 def test_unseeded_random_augmentations_are_compared_by_structure(capsys):
-    status, out, err = run(capsys, "--dataset", "tests.test_compare:unseeded_augment", *SHORT)
+    status, out, err = run(capsys, "--dataset", "tests.unit.test_compare:unseeded_augment", *SHORT)
     assert status == 0, err
     assert "match torch's in structure, shapes and dtypes; values not compared" in out
     assert "neither loader seeds" in out
@@ -335,7 +341,7 @@ def test_a_mismatch_is_reported_with_a_non_zero_exit(capsys, tmp_path):
     status, out, err = run(
         capsys,
         "--dataset",
-        "tests.test_compare:differs_in_shmloader",
+        "tests.unit.test_compare:differs_in_shmloader",
         *SHORT,
         "--json",
         str(out_json),
@@ -393,67 +399,81 @@ def test_check_counts_nan_as_equal_to_nan():
             "--dataset: tests/c/ring_stress.c cannot be imported: name a .py file",
         ),
         (
-            ["--dataset", "tests.test_compare"],
+            ["--dataset", "tests.unit.test_compare"],
             "names no callable: write package.module:callable or path/to/file.py",
         ),
         (
-            ["--dataset", "tests.test_compare:nope"],
-            "tests.test_compare has no attribute 'nope'; its callables are:",
+            ["--dataset", "tests.unit.test_compare:nope"],
+            "tests.unit.test_compare has no attribute 'nope'; its callables are:",
         ),
         (
-            ["--dataset", "tests.test_compare:NOT_CALLABLE"],
-            "'tests.test_compare:NOT_CALLABLE' is int 42, not a callable",
+            ["--dataset", "tests.unit.test_compare:NOT_CALLABLE"],
+            "'tests.unit.test_compare:NOT_CALLABLE' is int 42, not a callable",
         ),
         (
-            ["--dataset", "tests.test_compare:raises"],
-            "tests.test_compare:raises() raised FileNotFoundError: /data/train does not exist",
+            ["--dataset", "tests.unit.test_compare:raises"],
+            "tests.unit.test_compare:raises() raised FileNotFoundError: /data/train does not exist",
         ),
         (
-            ["--dataset", "tests.test_compare:tiny", "--dataset-args", '{"size": 3}'],
+            ["--dataset", "tests.unit.test_compare:tiny", "--dataset-args", '{"size": 3}'],
             "raised TypeError: tiny() got an unexpected keyword argument 'size' (check --dataset-args)",
         ),
         (
-            ["--dataset", "tests.test_compare:tiny", "--dataset-args", "{length: 3}"],
+            ["--dataset", "tests.unit.test_compare:tiny", "--dataset-args", "{length: 3}"],
             "--dataset-args is not JSON",
         ),
         (
-            ["--dataset", "tests.test_compare:tiny", "--dataset-args", "[3]"],
+            ["--dataset", "tests.unit.test_compare:tiny", "--dataset-args", "[3]"],
             "--dataset-args is a JSON list, not an object of keyword arguments",
         ),
-        (["--dataset", "tests.test_compare:returns_none"], "returned NoneType None, not a Dataset"),
         (
-            ["--dataset", "tests.test_compare:returns_generator"],
+            ["--dataset", "tests.unit.test_compare:returns_none"],
+            "returned NoneType None, not a Dataset",
+        ),
+        (
+            ["--dataset", "tests.unit.test_compare:returns_generator"],
             "not a Dataset (an iterator: return an IterableDataset whose __iter__ yields its samples)",
         ),
         (
-            ["--dataset", "tests.test_compare:stream", "--shuffle"],
+            ["--dataset", "tests.unit.test_compare:stream", "--shuffle"],
             "--shuffle needs a map-style dataset (samples fetched by index, which a sampler shuffles), but the factory "
             "returned an IterableDataset (Stream)",
         ),
-        (["--dataset", "tests.test_compare:no_length"], "the dataset (NoLength) has no length"),
-        (["--dataset", "tests.test_compare:empty"], "the dataset (list) is empty (len 0)"),
         (
-            ["--dataset", "tests.test_compare:corrupt"],
+            ["--dataset", "tests.unit.test_compare:no_length"],
+            "the dataset (NoLength) has no length",
+        ),
+        (["--dataset", "tests.unit.test_compare:empty"], "the dataset (list) is empty (len 0)"),
+        (
+            ["--dataset", "tests.unit.test_compare:corrupt"],
             "fetching the first 4 samples in this process raised ValueError: corrupt record 0",
         ),
         (
-            ["--dataset", "tests.test_compare:ragged"],
+            ["--dataset", "tests.unit.test_compare:ragged"],
             "the dataset's samples cannot be batched: torch's default_collate raised RuntimeError on the first 4: "
             "stack expects each tensor to be equal size",
         ),
         (
-            ["--dataset", "tests.test_compare:tiny", "--collate-fn", "tests.test_compare:names"],
+            [
+                "--dataset",
+                "tests.unit.test_compare:tiny",
+                "--collate-fn",
+                "tests.unit.test_compare:names",
+            ],
             "--collate-fn raised TypeError on the first 4",
         ),
-        (["--dataset", "tests.test_compare:names"], "the batches hold no tensor or numpy array"),
+        (
+            ["--dataset", "tests.unit.test_compare:names"],
+            "the batches hold no tensor or numpy array",
+        ),
         (
             [
                 "--dataset",
-                "tests.test_compare:tiny",
+                "tests.unit.test_compare:tiny",
                 "--worker-init-fn",
-                "tests.test_compare:missing",
+                "tests.unit.test_compare:missing",
             ],
-            "--worker-init-fn 'tests.test_compare:missing': tests.test_compare has no attribute 'missing'",
+            "--worker-init-fn 'tests.unit.test_compare:missing': tests.unit.test_compare has no attribute 'missing'",
         ),
     ],
 )
@@ -477,13 +497,13 @@ def test_bad_input_is_named_with_what_to_do(capsys, argv, message):
     ],
 )
 def test_bad_options_exit_2_with_argparse_usage(capsys, argv, message):
-    status, out, err = run(capsys, "--dataset", "tests.test_compare:tiny", *SHORT, *argv)
+    status, out, err = run(capsys, "--dataset", "tests.unit.test_compare:tiny", *SHORT, *argv)
     assert status == 2
     assert message in err and "usage: shmloader-compare" in err
 
 
 def test_a_traceback_shows_where_the_users_code_failed(capsys):
-    status, out, err = run(capsys, *SHORT, "--dataset", "tests.test_compare:corrupt")
+    status, out, err = run(capsys, *SHORT, "--dataset", "tests.unit.test_compare:corrupt")
     assert status == 2
     assert 'test_compare.py", line' in err and "in __getitem__" in err
     assert "shmloader/bench" not in err  # the command's own frames are left out
@@ -493,7 +513,7 @@ def test_a_loader_that_fails_mid_run_exits_1(capsys):
     status, out, err = run(
         capsys,
         "--dataset",
-        "tests.test_compare:fails_later",
+        "tests.unit.test_compare:fails_later",
         *SHORT[:-4],
         "--max-batches",
         "4",
@@ -518,7 +538,7 @@ def test_a_missing_extra_names_the_install_command(capsys, monkeypatch, module, 
     for name in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, module, None)  # import fails, as when it is not installed
-    status, out, err = run(capsys, "--dataset", "tests.test_compare:tiny", *SHORT, *argv)
+    status, out, err = run(capsys, "--dataset", "tests.unit.test_compare:tiny", *SHORT, *argv)
     assert status == 2
     assert (
         f"needs {module}, which cannot be imported" in err

@@ -23,10 +23,7 @@ import torch.utils.data as tud
 
 from shmloader import DataLoader as ShmDataLoader
 from shmloader import SampleLayoutError, WorkerDied
-from tests.helpers import datasets as D
-from tests.helpers.datasets import Dying, Images, Sleepy
-from tests.helpers.procs import deadline, our_segments, own_children, wait_gone
-from tests.test_equivalence import (
+from tests.equivalence.test_equivalence import (
     SEED,
     Fresh,
     assert_results_same,
@@ -36,6 +33,9 @@ from tests.test_equivalence import (
     run,
     seed_all,
 )
+from tests.helpers import datasets as D
+from tests.helpers.datasets import Dying, Images, Sleepy
+from tests.helpers.procs import deadline, our_segments, own_children, wait_gone
 
 TorchDataLoader = tud.DataLoader
 P = functools.partial

@@ -39,8 +39,7 @@ import torch.utils.data as tud
 
 from tests.helpers import ROOT
 from tests.helpers import torchrun_driver as drv
-from tests.helpers.procs import alive, our_segments, wait_gone
-from tests.test_distributed import _free_port
+from tests.helpers.procs import alive, free_port, our_segments, wait_gone
 
 pytestmark = [
     pytest.mark.integrations,
@@ -118,7 +117,7 @@ class Job:
         store_here, by this test process, as a cluster's own store outlives the jobs: an
         agent that hosts it takes it down as it exits, and on a loaded machine the other
         agent, still in its exit barrier, then fails a job that trained to its end."""
-        port = port or _free_port()
+        port = port or free_port()
         if store_here:
             from datetime import timedelta
 

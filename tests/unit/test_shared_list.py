@@ -393,7 +393,7 @@ import sys, time
 import torch
 import shmloader
 from shmloader import SharedList
-from tests.test_shared_list import IndexDataset
+from tests.unit.test_shared_list import IndexDataset
 
 if __name__ == "__main__":
     Loader = shmloader.DataLoader if sys.argv[1] == "shmloader" else torch.utils.data.DataLoader

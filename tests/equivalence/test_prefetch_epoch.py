@@ -22,9 +22,9 @@ import torch
 import torch.utils.data as tud
 
 from shmloader import DataLoader as ShmDataLoader
+from tests.equivalence.test_equivalence import SEED, seed_all
 from tests.helpers import datasets as D
 from tests.helpers.procs import deadline
-from tests.test_equivalence import SEED, seed_all
 
 TorchDataLoader = tud.DataLoader
 P = functools.partial

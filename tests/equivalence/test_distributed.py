@@ -12,7 +12,6 @@ import json
 import multiprocessing
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import torch.utils.data as tud
 from shmloader import DataLoader as ShmDataLoader
 from tests.helpers import ROOT
 from tests.helpers import datasets as D
+from tests.helpers.procs import free_port
 
 TorchDataLoader = tud.DataLoader
 HARD_TIMEOUT_S = 150
@@ -35,12 +35,6 @@ WORLD = 2
 N = 40  # divisible by WORLD: DistributedSampler then pads nothing, so "exactly once" holds
 EPOCHS = 2
 SAMPLER_SEED = 7
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _to_jsonable(x):
@@ -120,14 +114,14 @@ def _expected_indices(rank, epoch):
 def _launch_ranks(out_dir):
     """Start the ranks as fresh interpreters, like torchrun does (so the workers' default start
     method is the platform's, fork on Linux), and wait for them with a hard deadline."""
-    port = _free_port()
+    port = free_port()
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     )
     procs = []
     for rank in range(WORLD):
-        code = f"import tests.test_distributed as T; T._rank_main({rank}, {port}, {str(out_dir)!r})"
+        code = f"import tests.equivalence.test_distributed as T; T._rank_main({rank}, {port}, {str(out_dir)!r})"
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-c", code],

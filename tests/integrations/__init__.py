@@ -1,0 +1,2 @@
+"""Integration tests (marker `integrations`): real training frameworks and `torchrun`, each
+compared with the framework's own loader."""
