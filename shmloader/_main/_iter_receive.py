@@ -13,7 +13,7 @@ from .._shm._ring import SlotLease
 from .._worker._protocol import ErrorReply
 
 if TYPE_CHECKING:
-    from .._worker._protocol import RowError
+    from .._worker._protocol import RowErrorReply
     from ._iter_ring import RingKeeper
     from ._pool import WorkerPool
     from ._stats import Counters
@@ -41,7 +41,7 @@ class Receiver:
         self._timeout = timeout
         self._in_order = in_order
         self._arrivals: deque[Arrival] = deque()
-        self._row_errors: dict[int, dict[int, RowError]] = {}  # task id -> {row: its error}
+        self._row_errors: dict[int, dict[int, RowErrorReply]] = {}  # task id -> {row: its error}
 
     def next(self) -> Arrival:
         """The next result from any worker; sleeps until one comes, a worker

@@ -2,11 +2,11 @@
 
 Main -> worker, over the worker's task socket: RingFds, UseLayout, Task,
 Rows, Probe, ResumeWorker, and EXIT.  Worker -> main, over the worker's
-result pipe: Segment, Batch, ErrorReply, RowError, Described, Stop,
+result pipe: Segment, Batch, ErrorReply, RowErrorReply, Described, Stop,
 Resumed.  A batch written into a ring slot sends no message at all: the
 slot is published on the ring (see _ring.pyx), and the main process takes
 it as a SlotLease.  The records are replies, not exceptions: an error
-travels inside ErrorReply or RowError, wrapped as torch wraps it.
+travels inside ErrorReply or RowErrorReply, wrapped as torch wraps it.
 
 On the wire every message is a plain tuple whose first item is its kind,
 built by its record's wire() and read back into the record by from_main()
@@ -194,7 +194,7 @@ class ErrorReply(NamedTuple):
         return ("error", task_id, wrapper, state)
 
 
-class RowError(NamedTuple):
+class RowErrorReply(NamedTuple):
     """Worker -> main, fetch="sample": one row of a Rows task failed; sent
     before the row is counted done, so it has arrived when its slot has."""
 
@@ -259,7 +259,7 @@ _FROM_WORKER = {
     "segment": Segment._make,
     "batch": Batch._make,
     "error": ErrorReply._make,
-    "row_error": RowError._make,
+    "row_error": RowErrorReply._make,
     "layout": Described._make,
     "stop": Stop._make,
     "resumed": Resumed._make,

@@ -18,7 +18,7 @@ from typing import Any
 from torch._utils import ExceptionWrapper
 
 from ._channels import send
-from ._protocol import Described, ErrorReply, RowError
+from ._protocol import Described, ErrorReply, RowErrorReply
 from ._sample_layout import SampleLayout
 from ._tasks import TaskContext
 
@@ -115,7 +115,7 @@ def rows(ctx: TaskContext, task, stale, error):
 
 def _write_row(ctx: TaskContext, layout, task, row, fetched, slot_memory, error) -> bool:
     """Fetch (unless the probe did) and write one row of a task; True where
-    it failed, its RowError sent."""
+    it failed, its RowErrorReply sent."""
     index = task.index
     collating = False
     try:
@@ -132,12 +132,12 @@ def _write_row(ctx: TaskContext, layout, task, row, fetched, slot_memory, error)
         memory, storage = slot_memory
         layout.write_row(memory, storage, row, sample, index[row])
     except _Reraised as e:
-        send(ctx.cfg.results, RowError.wire(task.task_id, row, e.wrapper, False))
+        send(ctx.cfg.results, RowErrorReply.wire(task.task_id, row, e.wrapper, False))
         return True
     except Exception:
         send(
             ctx.cfg.results,
-            RowError.wire(task.task_id, row, ExceptionWrapper(where=ctx.where), collating),
+            RowErrorReply.wire(task.task_id, row, ExceptionWrapper(where=ctx.where), collating),
         )
         return True
     return False

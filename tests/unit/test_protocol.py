@@ -22,7 +22,7 @@ TO_MAIN = [
     Segment,
     _protocol.Batch,
     _protocol.ErrorReply,
-    _protocol.RowError,
+    _protocol.RowErrorReply,
     _protocol.Described,
     _protocol.Stop,
     _protocol.Resumed,
