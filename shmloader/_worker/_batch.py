@@ -4,7 +4,7 @@ and delivered: published on the ring, or outside it (no slot, a batch that
 outgrew its slot, one that cannot be laid out) in a one-off segment of its
 own (see _one_off.py) or pickled by torch through the result pipe.
 
-A whole batch carries the worker's state after it (see _worker_state.py),
+A whole batch carries the worker's state after it (see _state.py),
 in its slot's metadata or its pipe message, unless nothing in it can differ
 (seed_per_sample over a map-style dataset).
 """

@@ -1,5 +1,5 @@
 """What a worker process is started with: one WorkerConfig, made by the main
-process (_pool.py) and passed to worker_loop (_worker.py)."""
+process (_main/_pool.py) and passed to worker_loop (_loop.py)."""
 
 from __future__ import annotations
 

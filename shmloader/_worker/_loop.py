@@ -8,22 +8,24 @@ else (no slot, a batch that outgrew its slot, errors, end of an iterable) goes
 to the main process through this worker's result pipe: a batch in a one-off
 memfd segment of its own (see _one_off.py), anything else pickled by torch.
 
-This module starts the worker and runs its loop; the rest of the worker side:
+This module starts the worker and runs its loop; the rest of the worker side
+(this package, shmloader/_worker/):
 
-    _worker_config.py    what a worker is started with (WorkerConfig)
-    _worker_exit.py      how it leaves when it cannot return from the loop
-    _worker_watch.py     whether the main process still lives
-    _worker_channels.py  its inbox (the task socket) and send (the result pipe)
-    _worker_slots.py     the ring as it mapped it, and its counters
-    _worker_tasks.py     what its tasks share (TaskContext)
-    _worker_batch.py     a whole batch
-    _worker_rows.py      fetch="sample": a batch's rows, the first batch's probe
-    _worker_state.py     the worker's state each batch carries (resuming)
+    _config.py    what a worker is started with (WorkerConfig)
+    _exit.py      how it leaves when it cannot return from the loop
+    _watch.py     whether the main process still lives
+    _channels.py  its inbox (the task socket) and send (the result pipe)
+    _slots.py     the ring as it mapped it, and its counters
+    _tasks.py     what its tasks share (TaskContext)
+    _batch.py     a whole batch
+    _rows.py      fetch="sample": a batch's rows, the first batch's probe
+    _state.py     the worker's state each batch carries (resuming)
 
 The messages both ways, and what each field holds: see _protocol.py.  Worker
-code imports nothing of the main process's side (the iterator, the pool,
-_next_epoch, _warn, _fork, _stats, dataloader): what both sides need lives
-below them (_segment.py, _errors.py, _worker_state.py, _user_objects.py).
+code imports nothing of the main process's side (shmloader/_main/,
+dataloader.py) nor of the features (shmloader/_features/): what both sides
+need lives here or below (shmloader/_shm/, _errors.py); tests/unit/test_layers.py
+checks it.
 """
 
 from __future__ import annotations

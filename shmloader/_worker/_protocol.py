@@ -171,7 +171,7 @@ class Batch(NamedTuple):
     # what it takes in a slot where measured (NO_RING; SPILL with slot_bytes=None), else 0
     slot_bytes_needed: int
     samples: int
-    state: bytes | None  # the worker's state after it (see _worker_state.py), or None
+    state: bytes | None  # the worker's state after it (see _state.py), or None
 
     @staticmethod
     def wire(task_id, reason, data, slot_bytes_needed, samples, state) -> tuple:
@@ -186,7 +186,7 @@ class ErrorReply(NamedTuple):
     task_id: int
     wrapper: ExceptionWrapper
     # the worker's state after it (an error is a yielded item: see
-    # _worker_state.py), or None
+    # _state.py), or None
     state: bytes | None
 
     @staticmethod

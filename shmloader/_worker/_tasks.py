@@ -3,8 +3,8 @@ counts samples, the ring as it mapped it, its counters, and the RNG state
 its epoch began in; and what every kind of task does alike (begin an epoch,
 give a slot back, take the worker's state, word an error).
 
-The tasks themselves: a whole batch (_worker_batch.py), a batch's rows or
-the first batch's probe with fetch="sample" (_worker_rows.py).  The loop
+The tasks themselves: a whole batch (_batch.py), a batch's rows or
+the first batch's probe with fetch="sample" (_rows.py).  The loop
 that hands them out: _worker.py.
 """
 
