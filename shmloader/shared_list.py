@@ -24,8 +24,6 @@ torch.save) carries the entries themselves (see SharedList.__reduce__).
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import marshal
 import mmap
 import operator
@@ -39,9 +37,7 @@ from itertools import accumulate, islice
 from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import ClassVar
 
-from ._errors import SharedMemoryError
-from ._shm import _memory
-from ._shm._segment import SHM_DIR
+from ._shm._segment import new_sealable_segment, seal_segment, write_segment
 
 _MAGIC = b"shmlist1"
 _HEADER = struct.Struct("=8sQQ")  # magic, entry count, data bytes
@@ -227,11 +223,11 @@ def _build(entries) -> int:
     if not isinstance(entries, Sized):
         entries = list(entries)
     count = len(entries)
-    fd = _new_segment()
+    fd = new_sealable_segment("shmloader-list")
     try:
         data_at = _HEADER.size + _OFFSET_BYTES * (count + 1)
         written = 0  # data bytes so far: where the next entry starts
-        _write(fd, bytes(_OFFSET_BYTES), _HEADER.size)  # offsets[0]
+        write_segment(fd, "SharedList", bytes(_OFFSET_BYTES), _HEADER.size)  # offsets[0]
         source = iter(entries)
         for first in range(0, count, _CHUNK):
             chunk = list(islice(source, _CHUNK))
@@ -244,57 +240,18 @@ def _build(entries) -> int:
                 chunk = _as_plain(chunk, first)
             encoded = list(map(marshal.dumps, chunk))
             ends = array("Q", accumulate(map(len, encoded), initial=written))
-            _write(fd, memoryview(ends)[1:], _HEADER.size + _OFFSET_BYTES * (first + 1))
-            _write(fd, b"".join(encoded), data_at + written)
+            write_segment(
+                fd, "SharedList", memoryview(ends)[1:], _HEADER.size + _OFFSET_BYTES * (first + 1)
+            )
+            write_segment(fd, "SharedList", b"".join(encoded), data_at + written)
             written = ends[-1]
         # Last: a segment cut short by an error never reads as a SharedList.
-        _write(fd, _HEADER.pack(_MAGIC, count, written), 0)
-        _seal(fd)
+        write_segment(fd, "SharedList", _HEADER.pack(_MAGIC, count, written), 0)
+        seal_segment(fd)
     except BaseException:
         os.close(fd)
         raise
     return fd
-
-
-def _new_segment() -> int:
-    """A new memfd, or where memfd_create is refused (an old kernel, a seccomp
-    filter) an unnamed file in /dev/shm, as for the ring: either way its
-    memory is held only by fds and mappings, and goes with the last one."""
-    try:
-        return os.memfd_create("shmloader-list", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    except OSError as e:
-        if e.errno not in (errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EINVAL):
-            raise
-    return os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600)
-
-
-def _write(fd: int, data, position: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        try:
-            done = os.pwrite(fd, view, position)
-        except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.ENOMEM):
-                raise
-            raise SharedMemoryError(
-                f"SharedList ran out of shared memory ({e.strerror}) after writing {position} "
-                f"bytes of its segment: {_memory.available()[1]}. Free memory, or give the process "
-                "more (a container's memory limit, docker: --memory; where memfd_create is "
-                f"refused, the size of {SHM_DIR})."
-            ) from e
-        view = view[done:]
-        position += done
-
-
-def _seal(fd: int) -> None:
-    """No process can change the entries from now on: workers may trust them.
-    (A memfd only: a file in /dev/shm cannot be sealed.)"""
-    seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
-    try:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-    except OSError as e:
-        if e.errno not in (errno.EPERM, errno.EINVAL):
-            raise
 
 
 def _all_plain(values) -> bool:

@@ -1,6 +1,7 @@
-"""A segment of shared memory for a ring: made in memfd memory (or in
-/dev/shm where memfd_create is refused), and what to say when memory runs
-out, for a ring or for one batch.
+"""A segment of shared memory, for a ring or for sealed bytes (a
+SharedList's entries, the workers' pickled dataset): made in memfd memory
+(or in /dev/shm where memfd_create is refused), and what to say when memory
+runs out, for a ring, for one batch, or for those bytes.
 
 NOTE [segment: both sides]
 Both sides make segments: the main process its rings (_ring_memory.py), a
@@ -14,6 +15,8 @@ _fork.py, which warns through _warn.py) stays there.
 from __future__ import annotations
 
 import errno
+import fcntl
+import os
 import resource
 
 from .._errors import SharedMemoryError
@@ -108,3 +111,49 @@ def new_segment(nslots: int, slot_bytes: int) -> Ring:
                 ring_bytes_message(nslots, slot_bytes, f"{_memory.available()[1]} ({e.strerror})")
             ) from e
         raise
+
+
+# ---- a sealed segment of bytes (SharedList's entries, the workers' dataset) ----
+
+
+def new_sealable_segment(name: str) -> int:
+    """A new memfd, or where memfd_create is refused (an old kernel, a seccomp
+    filter) an unnamed file in /dev/shm, as for the ring: either way its
+    memory is held only by fds and mappings, and goes with the last one."""
+    try:
+        return os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as e:
+        if e.errno not in (errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EINVAL):
+            raise
+    return os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600)
+
+
+def write_segment(fd: int, what: str, data, position: int) -> None:
+    """Write all of `data` at `position`; a SharedMemoryError naming `what`
+    where memory runs out."""
+    view = memoryview(data).cast("B")
+    while view:
+        try:
+            done = os.pwrite(fd, view, position)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            raise SharedMemoryError(
+                f"{what} ran out of shared memory ({e.strerror}) after writing {position} "
+                f"bytes of its segment: {_memory.available()[1]}. Free memory, or give the process "
+                "more (a container's memory limit, docker: --memory; where memfd_create is "
+                f"refused, the size of {SHM_DIR})."
+            ) from e
+        view = view[done:]
+        position += done
+
+
+def seal_segment(fd: int) -> None:
+    """No process can change the segment from now on: its readers may trust
+    it.  (A memfd only: a file in /dev/shm cannot be sealed.)"""
+    seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EINVAL):
+            raise
