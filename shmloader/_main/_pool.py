@@ -20,6 +20,7 @@ import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
 from pickle import PicklingError
+from typing import NoReturn
 
 from torch.utils.data._utils import signal_handling
 
@@ -29,6 +30,7 @@ from .._worker import _one_off
 from .._worker._config import WorkerConfig
 from .._worker._loop import worker_loop
 from .._worker._protocol import EXIT, NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT, RingFds, from_worker
+from .._worker._shared_objects import SharedObjects
 from . import _torch_api
 from ._warn import warn_as_torch_worker_start
 
@@ -103,6 +105,49 @@ class _MainEnd(Connection):
         self.close()
 
 
+# What every worker gets alike: pickled once for all of them where they are
+# pickled at all (see _worker/_shared_objects.py).
+_SHARED_FIELDS = ("dataset", "collate_fn", "init_fn")
+
+
+def _pickled_once(ctx, configs) -> dict | None:
+    """Under spawn and forkserver, the fields to give each worker in place of
+    its own pickles of _SHARED_FIELDS; None under fork (nothing is pickled)."""
+    if ctx.get_start_method() == "fork" or not configs:
+        return None
+    try:
+        shared = SharedObjects.dump({name: configs[0][name] for name in _SHARED_FIELDS})
+    except (TypeError, AttributeError, PicklingError) as e:
+        _raise_unpicklable(e, ctx, configs[0]["worker_id"])
+    return {**dict.fromkeys(_SHARED_FIELDS), "shared": shared}
+
+
+def _raise_unpicklable(
+    e: TypeError | AttributeError | PicklingError, ctx, worker_id: int
+) -> NoReturn:
+    """A worker's objects could not be pickled: torch's warning, word for
+    word and at its line, then an error saying what to do."""
+    if _torch_api.PICKLE_ERROR_WARNING is not None:
+        warn_as_torch_worker_start(_torch_api.PICKLE_ERROR_WARNING)
+    method = ctx.get_start_method()
+    advice = (
+        f"shmloader could not start DataLoader worker {worker_id} with "
+        f"multiprocessing_context={method!r}: the dataset, collate_fn or "
+        f"worker_init_fn cannot be pickled ({e}). Define them at module level "
+        "(no lambdas, local classes or open handles), or use "
+        "multiprocessing_context='fork'."
+    )
+    try:
+        error = type(e)(advice)
+    except Exception:  # an exception class that takes other arguments
+        error = None
+    if error is None:
+        # (add_note is Python 3.11's; before it, PEP 678's __notes__ by hand)
+        e.__notes__ = [*getattr(e, "__notes__", ()), advice]  # type: ignore[union-attr]
+        raise e  # e itself, as torch raises it
+    raise error from e
+
+
 class WorkerPool:
     def __init__(self, ctx, configs):
         """Start one worker per partial config (a dict of WorkerConfig fields
@@ -112,12 +157,16 @@ class WorkerPool:
         self._tasks = []
         self._results = []
         self._exiting = set()
+        shared = _pickled_once(ctx, configs)
         try:
             for fields in configs:
-                self._start(ctx, fields)
+                self._start(ctx, fields if shared is None else {**fields, **shared})
         except BaseException:
             self.shutdown()
             raise
+        finally:
+            if shared is not None:
+                shared["shared"].close()  # (each worker has its own fds now)
         # As torch's iterator does: a SIGCHLD handler of torch's (it reports
         # no death here, since no pids are registered with it) replaces an
         # ignored SIGCHLD, under which exited workers could not be reaped.
@@ -136,26 +185,7 @@ class WorkerPool:
         try:
             process.start()
         except (TypeError, AttributeError, PicklingError) as e:
-            # torch's, word for word and at its line, before its own error
-            if _torch_api.PICKLE_ERROR_WARNING is not None:
-                warn_as_torch_worker_start(_torch_api.PICKLE_ERROR_WARNING)
-            method = ctx.get_start_method()
-            advice = (
-                f"shmloader could not start DataLoader worker {fields['worker_id']} with "
-                f"multiprocessing_context={method!r}: the dataset, collate_fn or "
-                f"worker_init_fn cannot be pickled ({e}). Define them at module level "
-                "(no lambdas, local classes or open handles), or use "
-                "multiprocessing_context='fork'."
-            )
-            try:
-                error = type(e)(advice)
-            except Exception:  # an exception class that takes other arguments
-                error = None
-            if error is None:
-                # (add_note is Python 3.11's; before it, PEP 678's __notes__ by hand)
-                e.__notes__ = [*getattr(e, "__notes__", ()), advice]
-                raise  # e itself, as torch raises it
-            raise error from e
+            _raise_unpicklable(e, ctx, fields["worker_id"])
         except BaseException:
             main_tasks.close()
             main_results.close()

@@ -4,7 +4,10 @@ process (_main/_pool.py) and passed to worker_loop (_loop.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from ._shared_objects import SharedObjects
 
 
 @dataclass(frozen=True)
@@ -27,3 +30,6 @@ class WorkerConfig:
     manager_pid: int  # the main process: workers exit when it is gone
     tasks: Any  # Connection (a socket: it also carries the ring's fds)
     results: Any  # Connection
+    # spawn and forkserver: dataset, collate_fn and init_fn, pickled once for
+    # all workers (then None above); see _shared_objects.py.
+    shared: SharedObjects | None = None

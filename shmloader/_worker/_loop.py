@@ -30,6 +30,7 @@ checks it.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -61,6 +62,11 @@ def worker_loop(cfg: WorkerConfig) -> None:
 
 
 def _run(cfg: WorkerConfig) -> None:
+    set_exit_handlers()  # first: the watchdog may leave at once, knowing whose temp dir is whose
+    start_watchdog(cfg.manager_pid)
+    if cfg.shared is not None:
+        # Before the seeding, as torch's workers unpickle their dataset.
+        cfg = dataclasses.replace(cfg, **cfg.shared.load(), shared=None)
     seed = _set_up_process(cfg)
     dataset = reseeded(cfg.dataset, cfg.shared_seed)
     torch_worker._worker_info = torch_worker.WorkerInfo(
@@ -90,8 +96,6 @@ def _run(cfg: WorkerConfig) -> None:
 def _set_up_process(cfg: WorkerConfig) -> int:
     """This process set up as torch's workers set theirs up; returns the
     worker's seed."""
-    set_exit_handlers()  # first: the watchdog may leave at once, knowing whose temp dir is whose
-    start_watchdog(cfg.manager_pid)
     torch.multiprocessing._set_thread_name("pt_data_worker")
     torch.set_num_threads(1)
     keep_freed_memory()

@@ -1359,3 +1359,30 @@ class StreamFailsOnce(IterableDataset):
         if wid == self.bad_worker and _fire_once(self.stamp):
             raise KeyError(f"__iter__ failed in worker {wid} (StreamFailsOnce)")
         return iter(range(wid, self.n, nw))
+
+
+class PickleCounted(SizedMap):
+    """Counts, in the process that pickles it, how often it was pickled; holds
+    what multiprocessing sends by fd (a tensor's shared storage, a SharedList,
+    a Lock) beside a plain list, and gives samples read from all of them."""
+
+    pickled = 0
+
+    def __init__(self, n=32):
+        import multiprocessing
+
+        import shmloader
+
+        super().__init__(n)
+        self.table = torch.arange(float(n))
+        self.index = [(f"/data/{i}.jpg", i % 5) for i in range(n)]
+        self.shared = shmloader.SharedList(self.index)
+        self.lock = multiprocessing.get_context("spawn").Lock()
+
+    def __getstate__(self):
+        type(self).pickled += 1
+        return self.__dict__
+
+    def __getitem__(self, i):
+        with self.lock:
+            return self.table[i] + self.index[i][1] + self.shared[i][1]

@@ -24,7 +24,7 @@ from shmloader import DataLoader, WorkerDied
 from shmloader._main import _torch_api
 from shmloader._shm._ring import CLAIMED
 from tests.helpers import ROOT
-from tests.helpers.datasets import Dying, Failing, Images, Sleepy
+from tests.helpers.datasets import Dying, Failing, Images, PickleCounted, Sleepy
 from tests.helpers.procs import (
     describe_stuck,
     open_fds,
@@ -1019,3 +1019,28 @@ def test_the_liveness_check_both_watchers_use(monkeypatch):
             _worker_watch.open_pidfd(gone.pid)
         monkeypatch.delattr(os, "pidfd_open")
     assert _worker_watch.open_pidfd(os.getpid()) is None
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_workers_objects_are_pickled_once_per_iterator_not_per_worker(context):
+    """Issue 38: under spawn and forkserver the dataset (with collate_fn and
+    worker_init_fn) is pickled once for all of an iterator's workers, which
+    unpickle their own copies; what multiprocessing sends by fd (a tensor's
+    shared storage, a SharedList, a Lock) still reaches every worker, and the
+    batches are torch's.  torch pickles it once per worker."""
+    torchs_dataset, ours = PickleCounted(), PickleCounted()
+    PickleCounted.pickled = 0
+    expected = list(
+        tud.DataLoader(torchs_dataset, batch_size=4, num_workers=3, multiprocessing_context=context)
+    )
+    assert PickleCounted.pickled == 3  # torch's: one per worker
+    PickleCounted.pickled = 0
+    loader = DataLoader(ours, batch_size=4, num_workers=3, multiprocessing_context=context)
+    fds = []
+    for epoch in range(3):  # non-persistent: new workers, pickled again, once
+        got = list(loader)
+        assert [b.tolist() for b in got] == [b.tolist() for b in expected]
+        assert PickleCounted.pickled == epoch + 1
+        del got
+        fds.append(len(os.listdir("/proc/self/fd")))
+    assert fds[1:] == fds[:1] * 2  # (the ring stays the loader's) each pickle's fds closed
