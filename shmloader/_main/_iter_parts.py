@@ -22,6 +22,7 @@ from .._features import _cuda
 from .._worker._state import STATE_BYTES, carries_state
 from . import _torch_api
 from ._dispatch_record import DispatchRecord
+from ._forkserver import for_workers
 from ._iter_deliver import Delivery
 from ._iter_epochs import EpochPlanner
 from ._iter_receive import Receiver
@@ -77,7 +78,7 @@ def build_parts(it, loader, resume) -> Parts:
     pin_device_id = _torch_api.pin_thread_device(it) if it._pin_memory else None
     try:
         pool = WorkerPool(
-            loader.multiprocessing_context or torch.multiprocessing,
+            for_workers(loader.multiprocessing_context or torch.multiprocessing),
             _worker_fields(it, loader, resume),
         )
     except BaseException:

@@ -1386,3 +1386,10 @@ class PickleCounted(SizedMap):
     def __getitem__(self, i):
         with self.lock:
             return self.table[i] + self.index[i][1] + self.shared[i][1]
+
+
+class ParentPid(SizedMap):
+    """Each sample: the pid of the process that forked the worker."""
+
+    def __getitem__(self, i):
+        return os.getppid()

@@ -90,7 +90,10 @@ def start_helpers(ctx):
     if ctx == "forkserver":
         from multiprocessing import forkserver
 
+        from shmloader._main import _forkserver
+
         forkserver.ensure_running()
+        _forkserver.own_server().ensure_running()  # the one its workers fork from
 
 
 # ---- the main process ends ----------------------------------------------------

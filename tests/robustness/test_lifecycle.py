@@ -26,6 +26,7 @@ from shmloader._shm._ring import CLAIMED
 from tests.helpers import ROOT
 from tests.helpers.datasets import Dying, Failing, Images, PickleCounted, Sleepy
 from tests.helpers.procs import (
+    alive,
     describe_stuck,
     open_fds,
     our_segments,
@@ -1044,3 +1045,55 @@ def test_workers_objects_are_pickled_once_per_iterator_not_per_worker(context):
         del got
         fds.append(len(os.listdir("/proc/self/fd")))
     assert fds[1:] == fds[:1] * 2  # (the ring stays the loader's) each pickle's fds closed
+
+
+OWN_FORKSERVER_SCRIPT = textwrap.dedent("""
+    import multiprocessing, sys
+    from multiprocessing import forkserver
+    from shmloader import DataLoader
+    from shmloader._main import _forkserver
+    from tests.helpers.datasets import ParentPid
+    multiprocessing.set_forkserver_preload(["__main__", "json"])  # the user's own setting
+    loader = DataLoader(ParentPid(8), batch_size=4, num_workers=2,
+                        multiprocessing_context="forkserver", persistent_workers=True)
+    parents = {int(p) for batch in loader for p in batch}
+    server = _forkserver._server._forkserver_pid
+    assert parents == {server}, (parents, server)
+    assert _forkserver._server._preload_modules == [
+        "__main__", "json", "torch", "shmloader._worker._loop"]
+    # The user's settings: as they left them; their forkserver never started.
+    assert forkserver._forkserver._preload_modules == ["__main__", "json"]
+    assert forkserver._forkserver._forkserver_pid is None
+    # (Unset, or the platform's default, which torch's loader leaves set too.)
+    default = multiprocessing.get_all_start_methods()[0]
+    assert multiprocessing.get_start_method(allow_none=True) in (None, default)
+    with open(f"/proc/{server}/maps") as f:
+        assert "libtorch" in f.read()  # imported once, in the server
+    print(server, *loader._iterator._pool.pids, flush=True)
+    sys.stdin.read()  # until killed
+""")
+
+
+def test_forkserver_workers_fork_from_shmloaders_server_which_has_torch():
+    """Issue 38: under forkserver, workers fork from a server of shmloader's that
+    imported torch and the worker loop once (no import per worker), preloading the
+    user's own list too, without touching the user's forkserver or start method;
+    after a SIGKILL of the main process the server and the workers are gone."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", OWN_FORKSERVER_SCRIPT],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 3 and all(alive(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    left = wait_gone(pids, HANG)[0]
+    assert left == [], describe_stuck(left)
