@@ -355,6 +355,70 @@ def container_markdown(document: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _vs(figs: dict[str, Any], reference: dict[str, Any] | None, key: str) -> str:
+    """figs[key] over reference[key], in bold; empty without a reference."""
+    value, base = figure_at(figs, (key,)), figure_at(reference, (key,))
+    return f"**{value / base:.2f}x**" if value is not None and base else ""
+
+
+def worker_start_markdown(document: dict[str, Any]) -> list[str]:
+    """A worker_start.py document: a row per condition (start method, workers, index,
+    loader), shmloader's with its ratios to torch's."""
+    by_key = {(r["method"], r["workers"], r["index"], r["loader"]): r for r in document["runs"]}
+    lines = _head(
+        [
+            "start method",
+            "workers",
+            "index",
+            "loader",
+            "first batch s (spread)",
+            "vs torch",
+            "epoch gap s (spread)",
+            "vs torch",
+            "steady interval ms",
+            "gap / steady",
+        ]
+    )
+    for (method, workers, index, loader), r in by_key.items():
+        reference = by_key.get((method, workers, index, "torch")) if loader != "torch" else None
+
+        lines.append(
+            _row(
+                [
+                    method,
+                    str(workers),
+                    f"`{index}`",
+                    loader,
+                    f"{_figure(r, 'first_batch_s', template='{:.3f}')} "
+                    f"({_figure(r, 'first_batch_spread', template='{:.0%}')})",
+                    _vs(r, reference, "first_batch_s"),
+                    f"{_figure(r, 'gap_s', template='{:.3f}')} "
+                    f"({_figure(r, 'gap_spread', template='{:.0%}')})",
+                    _vs(r, reference, "gap_s"),
+                    _figure(r, "steady_interval_s", template="{:.1f}", scale=1e3),
+                    _figure(r, "gap/steady", template="{:,.1f}x"),
+                ]
+            )
+        )
+    s = document["settings"]
+    wrong = sum(r.get("epochs_wrong", 0) for r in document["runs"])
+    lines += [
+        "",
+        f"An ImageFolder-style index of {s['entries']:,} (path, class) entries; non-persistent "
+        f"loaders, built before the clock starts, {s['batches']} batches of {s['batch_size']} "
+        f"an epoch with a {s['step_s'] * 1e3:g} ms step after each; median of {s['reps']} runs "
+        f"of {s['epochs']} epochs per condition, conditions alternated. First batch: iter() of "
+        "the fresh loader to its first batch; epoch gap: the last batch of an epoch to the "
+        "first of the next; spread: (max - min) / median. "
+        + (
+            "Every batch was checked against the expected one."
+            if not wrong
+            else f"**{wrong} epochs yielded batches other than the expected ones.**"
+        ),
+    ]
+    return lines
+
+
 # What a results file holds, by the shape of its runs; None: not drawn here.
 def _kind(document: dict[str, Any]) -> str | None:
     runs = document.get("runs") if isinstance(document, dict) else None
@@ -366,6 +430,8 @@ def _kind(document: dict[str, Any]) -> str | None:
         return "container"
     if document.get("benchmark") == "train":
         return "train"
+    if document.get("benchmark") == "worker_start":
+        return "worker_start"
     return None
 
 
@@ -373,6 +439,7 @@ _RENDERERS = {
     "throughput": throughput_markdown,
     "container": container_markdown,
     "train": train_markdown,
+    "worker_start": worker_start_markdown,
 }
 
 

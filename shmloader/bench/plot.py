@@ -5,6 +5,8 @@ compare's (--plot)         a panel per figure, torch's bar beside shmloader's
 benchmarks/bench.py's      <out>.png: samples/s per workload, torch, shmloader and the limit;
                            <out>-vs-sample-size.png: GB/s against sample size, log-log
 benchmarks/train.py's      <out>.png: steps/s per case, a fraction of the ideal's
+benchmarks/worker_start.py <out>.png: first batch and epoch gap per start method and index,
+                           torch's and shmloader's, a column per worker count, log scale
 """
 
 import math
@@ -111,6 +113,54 @@ def train_chart(document: dict[str, Any]) -> Any:
     _finish(
         figure,
         f"Training loop fed by each loader, against batches already in memory ({document['cores']})",
+        document["machine"],
+    )
+    return figure
+
+
+def write_worker_start(document: dict[str, Any], out: Path) -> Path:
+    """worker_start.py's chart next to `out`; its path."""
+    path = out.with_suffix(".png")
+    worker_start_chart(document).savefig(path, dpi=DPI)
+    return path
+
+
+def worker_start_chart(document: dict[str, Any]) -> Any:
+    """Two rows of subplots, the first batch and the epoch gap, a column per worker count;
+    in each a group per (start method, index), a bar per loader, log scale (fork's
+    hundredths of a second and spawn's seconds on one axis)."""
+    runs = document["runs"]
+    workers = list(dict.fromkeys(r["workers"] for r in runs))
+    groups = list(dict.fromkeys((r["method"], r["index"]) for r in runs))
+    names = list(dict.fromkeys(r["loader"] for r in runs))
+    by_key = {(r["method"], r["workers"], r["index"], r["loader"]): r for r in runs}
+    rows = [("first batch", "first_batch_s"), ("epoch gap", "gap_s")]
+    figure = figure_class("a chart")(
+        figsize=(max(1.1 * len(groups) * len(workers), MIN_WIDTH + 3), 3.6 * len(rows) + 1),
+        layout="constrained",
+    )
+    axes = figure.subplots(len(rows), len(workers), squeeze=False)
+    for row, (heading, key) in enumerate(rows):
+        for column, count in enumerate(workers):
+            ax = axes[row][column]
+            for k, name in enumerate(names):
+                values = [
+                    figure_at(by_key.get((method, count, index, name)), (key,)) or 0.0
+                    for method, index in groups
+                ]
+                bars = _bars(ax, k, len(names), name, values)
+                ax.bar_label(bars, [f"{v:.2g}" for v in values], fontsize=6)
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter("{x:.3g}")
+            ax.yaxis.set_minor_formatter("")
+            ax.set_xticks(range(len(groups)), [f"{m}\n{i}" for m, i in groups], fontsize=7)
+            ax.set_ylabel(f"{heading}, s")
+            ax.set_title(f"{heading}, {workers_label(count)}", fontsize=10)
+    settings = document["settings"]
+    _finish(
+        figure,
+        f"Worker start-up: first batch of a fresh loader and the gap between epochs "
+        f"(non-persistent), {settings['entries']:,}-entry index",
         document["machine"],
     )
     return figure

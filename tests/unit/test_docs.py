@@ -303,3 +303,47 @@ def test_report_writes_train_py_documents(report, tmp_path):
     assert "GPU busy" not in section  # no figure for it off a GPU
     header, rule = [line for line in section.splitlines() if line.startswith("|")][:2]
     assert header.count("|") == rule.count("|")
+
+
+def test_report_writes_worker_start_py_documents(report, tmp_path):
+    """benchmarks/worker_start.py's JSON (made up here: only its shape matters) gets its
+    table, shmloader's rows with their ratios to torch's."""
+
+    def row(loader, first, gap):
+        return {
+            "method": "spawn",
+            "workers": 2,
+            "index": "list",
+            "loader": loader,
+            "first_batch_s": first,
+            "first_batch_spread": 0.1,
+            "gap_s": gap,
+            "gap_spread": 0.2,
+            "steady_interval_s": 0.01,
+            "gap/steady": gap / 0.01,
+            "epochs_wrong": 0,
+        }
+
+    document = bench_document()
+    document.update(
+        command=["benchmarks/worker_start.py", "--quick"],
+        benchmark="worker_start",
+        settings={
+            "entries": 1000,
+            "reps": 3,
+            "epochs": 2,
+            "batches": 20,
+            "batch_size": 64,
+            "step_s": 0.01,
+        },
+        runs=[row("torch", 4.0, 4.2), row("shmloader", 1.0, 2.1)],
+    )
+    (tmp_path / "worker_start.json").write_text(json.dumps(document))
+    section = report.figures_section(tmp_path)
+    assert (
+        "| spawn | 2 | `list` | shmloader | 1.000 (10%) | **0.25x** | 2.100 (20%) | **0.50x** "
+        "| 10.0 | 210.0x |" in section
+    )
+    assert "Every batch was checked" in section
+    header, rule = [line for line in section.splitlines() if line.startswith("|")][:2]
+    assert header.count("|") == rule.count("|")
