@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shmloader.bench.errors import InputError
 from shmloader.bench.figures import figure_at
 from shmloader.bench.limit import LIMIT
 from shmloader.bench.machine import machine_line
@@ -14,6 +15,18 @@ from shmloader.bench.record import (
     write_json,  # noqa: F401  (the scripts write through report)
 )
 from shmloader.bench.verdict import aligned, workers_label
+
+
+def write_with_chart(document: dict, out: Path, draw) -> str:
+    """Write the JSON record, then its chart (`draw(document, out)` returns
+    the chart's path), which is optional where the JSON is not (matplotlib
+    missing): the line that says what was written."""
+    write_json(document, out)
+    try:
+        chart = f", {draw(document, out)}"
+    except InputError as error:
+        chart = f"; no chart: {error}"
+    return f"wrote {out}{chart}"
 
 
 def new_document(**fields: Any) -> dict[str, Any]:

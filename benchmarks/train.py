@@ -62,7 +62,6 @@ from workloads import make_jpeg_dataset
 
 from shmloader import DataLoader as ShmDataLoader
 from shmloader.bench import plot
-from shmloader.bench.errors import InputError
 from shmloader.bench.machine import proc_bytes
 from shmloader.bench.memory import PeakSampler, psutil
 from shmloader.bench.progress import StatusLine
@@ -506,12 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             document["runs"].append(run_case(case, args, Path(scratch), status))
             status.clear()
             print(report.train_table(document["runs"][-1]) + "\n", flush=True)
-    report.write_json(document, args.out)
-    try:
-        chart = f", {plot.write_train(document, args.out)}"
-    except InputError as error:  # the chart is optional: the table and the JSON are not
-        chart = f"; no chart: {error}"
-    print(f"{split}\nwrote {args.out}{chart}")
+    print(f"{split}\n{report.write_with_chart(document, args.out, plot.write_train)}")
     return 0
 
 

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import report
 
-    from shmloader.bench.errors import InputError
+    from shmloader.bench import plot
     from shmloader.bench.progress import StatusLine
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -327,14 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "first batch: iter() of a fresh loader to its first batch; epoch gap: last batch of "
         "an epoch to the first of the next; steady: between batches within the epochs"
     )
-    report.write_json(document, args.out)
-    try:
-        from shmloader.bench import plot
-
-        chart = f", {plot.write_worker_start(document, args.out)}"
-    except InputError as error:  # the chart is optional: the table and the JSON are not
-        chart = f"; no chart: {error}"
-    print(f"wrote {args.out}{chart}")
+    print(report.write_with_chart(document, args.out, plot.write_worker_start))
     return 0
 
 
