@@ -32,6 +32,13 @@ from shmloader._main import _torch_api
 from tests.helpers import datasets as D
 from tests.helpers.procs import wait_until
 
+# Scenarios whose workers must see the main process's objects as fork leaves
+# them (a generator the dataset shares with its sampler, a default_collate_fn_map
+# changed in place): torch's workers see them under fork only, so both loaders
+# fork there, whatever the default start method.
+FORKED = dict(num_workers=3, multiprocessing_context="fork")
+FORKED_2 = dict(num_workers=2, multiprocessing_context="fork")
+
 TorchDataLoader = tud.DataLoader
 SEED = 20240611
 NCPU = len(os.sched_getaffinity(0))
@@ -1106,9 +1113,9 @@ def test_dataset_sharing_the_samplers_generator(where):
         generator = torch.Generator().manual_seed(5)
         dataset = D.GeneratorMap(24, generator)
         if where == "loader":
-            return cls(dataset, batch_size=4, shuffle=True, generator=generator, num_workers=3)
+            return cls(dataset, batch_size=4, shuffle=True, generator=generator, **FORKED)
         sampler = tud.RandomSampler(dataset, generator=generator)
-        return cls(dataset, batch_sampler=tud.BatchSampler(sampler, 4, False), num_workers=3)
+        return cls(dataset, batch_sampler=tud.BatchSampler(sampler, 4, False), **FORKED)
 
     torch_loader, shm_loader = make(TorchDataLoader), make(ShmDataLoader)
     expected = [list(torch_loader) for _ in range(2)]
@@ -1629,8 +1636,8 @@ def test_changed_default_collate_fn_map_collates_like_torch(monkeypatch, shm_kw)
 
     monkeypatch.setitem(default_collate_fn_map, torch.Tensor, _pad)
     monkeypatch.setitem(default_collate_fn_map, _Point, _collate_points)
-    t = run(TorchDataLoader, _VariableLengths, batch_size=4, num_workers=2, epochs=2)
-    s = run(P(ShmDataLoader, **shm_kw), _VariableLengths, batch_size=4, num_workers=2, epochs=2)
+    t = run(TorchDataLoader, _VariableLengths, batch_size=4, epochs=2, **FORKED_2)
+    s = run(P(ShmDataLoader, **shm_kw), _VariableLengths, batch_size=4, epochs=2, **FORKED_2)
     assert_results_same(t, s)
 
 
@@ -1640,8 +1647,8 @@ def test_added_default_collate_fn_map_entry_collates_like_torch(monkeypatch):
     from torch.utils.data._utils.collate import default_collate_fn_map
 
     monkeypatch.setitem(default_collate_fn_map, _Point, _collate_points)
-    t = run(TorchDataLoader, _ImagesAndPoints, batch_size=4, num_workers=2)
-    s = run(P(ShmDataLoader, slot_bytes=1 << 16), _ImagesAndPoints, batch_size=4, num_workers=2)
+    t = run(TorchDataLoader, _ImagesAndPoints, batch_size=4, **FORKED_2)
+    s = run(P(ShmDataLoader, slot_bytes=1 << 16), _ImagesAndPoints, batch_size=4, **FORKED_2)
     assert_results_same(t, s)
 
 

@@ -37,6 +37,10 @@ from tests.helpers import datasets as D
 from tests.helpers.datasets import Dying, Images, Sleepy
 from tests.helpers.procs import deadline, our_segments, own_children, wait_gone
 
+# Tests whose datasets or collate functions are defined in the test (local):
+# they reach workers only by fork, whatever the default start method.
+LOCAL_OBJECTS = "fork"
+
 TorchDataLoader = tud.DataLoader
 P = functools.partial
 ASSIGNMENTS = ["interleaved", "dynamic"]
@@ -299,10 +303,16 @@ def test_negative_and_conjugate_views_as_torch_collates_them(lazy):
     fails when that is a conjugate or negative view; views elsewhere in a batch are stacked as
     their values."""
     views = _LazyViews((lambda i: True) if lazy == "all" else (lambda i: i % 3 != 0))
-    expected = each_next(TorchDataLoader(views, batch_size=3, num_workers=2))
+    expected = each_next(
+        TorchDataLoader(views, batch_size=3, num_workers=2, multiprocessing_context=LOCAL_OBJECTS)
+    )
     assert len(expected) == 2
     for assignment in ASSIGNMENTS:
-        got = each_next(sample_loader(assignment)(views, batch_size=3, num_workers=2))
+        got = each_next(
+            sample_loader(assignment)(
+                views, batch_size=3, num_workers=2, multiprocessing_context=LOCAL_OBJECTS
+            )
+        )
         assert len(got) == 2
         for e, g in zip(expected, got):
             if isinstance(e, tuple):

@@ -398,23 +398,14 @@ from tests.unit.test_shared_list import IndexDataset
 if __name__ == "__main__":
     Loader = shmloader.DataLoader if sys.argv[1] == "shmloader" else torch.utils.data.DataLoader
     data = IndexDataset(SharedList((f"train/{i}.JPEG", i % 10) for i in range(100_000)))
-    it = iter(Loader(data, batch_size=None, num_workers=2, shuffle=True))
+    # (fork: under forkserver torch's workers take the server for the main process,
+    # and outlive a SIGKILL of it by as long as the server lives)
+    it = iter(Loader(data, batch_size=None, num_workers=2, shuffle=True, multiprocessing_context="fork"))
     next(it)
-    print("iterating", flush=True)
+    workers = it._pool.pids if hasattr(it, "_pool") else [w.pid for w in it._workers]
+    print("iterating", *workers, flush=True)
     time.sleep(600)
 """
-
-
-def _children(pid: int) -> list:
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[1] == str(pid):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
 
 
 @pytest.mark.parametrize("loader", LOADERS)
@@ -426,9 +417,10 @@ def test_nothing_is_left_after_the_main_process_is_killed_while_iterating(loader
         [sys.executable, "-c", KILLED_SCRIPT, loader], cwd=ROOT, stdout=subprocess.PIPE, text=True
     )
     try:
-        assert child.stdout.readline().strip() == "iterating"
+        said, *pids = child.stdout.readline().split()
+        assert said == "iterating"
         segment = segments_of(child.pid)
-        workers = _children(child.pid)
+        workers = [int(p) for p in pids]  # (a forkserver's children, under it)
         assert len(segment) == 1 and len(workers) >= 2, (segment, workers)
         wait_until(
             lambda: all(segments_of(p) == segment for p in workers),

@@ -23,6 +23,10 @@ from tests.helpers import datasets as D
 from tests.helpers.datasets import Buckets, Images
 from tests.helpers.procs import wait_gone
 
+# Tests whose datasets or collate functions are defined in the test (local):
+# they reach workers only by fork, whatever the default start method.
+LOCAL_OBJECTS = "fork"
+
 # Slots held by batches are what these tests are about: small leaves stay views.
 pytestmark = pytest.mark.usefixtures("views_only")
 SMALL_LEAF_BYTES = _layout.SMALL_LEAF_BYTES  # the real threshold, for the test of it
@@ -283,7 +287,13 @@ def test_oversize_batch_spills_whole_and_is_counted():
 
     # A local class is fine under fork.  Samples 0-15 fit a 4096-byte slot (the
     # metadata may use the room kept for the worker state).
-    loader = DataLoader(Growing(40), batch_size=None, num_workers=2, slot_bytes=1024)
+    loader = DataLoader(
+        Growing(40),
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context=LOCAL_OBJECTS,
+        slot_bytes=1024,
+    )
     with pytest.warns(
         UserWarning,
         match=r"did not fit its slot \(4096 bytes for a batch: slot_bytes=1024, rounded up",
@@ -302,7 +312,13 @@ def test_default_collate_spill_is_not_corrupted_by_slot_reuse():
         def __getitem__(self, i):
             return super().__getitem__(i), "x" * 9000 + str(i)
 
-    loader = DataLoader(Named(64), batch_size=4, num_workers=2, slot_bytes=4096)
+    loader = DataLoader(
+        Named(64),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context=LOCAL_OBJECTS,
+        slot_bytes=4096,
+    )
     with pytest.warns(UserWarning, match="did not fit"):
         for b, (images, names) in enumerate(loader):
             assert torch.equal(images, _expected(64, 4)[b])
@@ -600,7 +616,12 @@ def test_fallback_leaves_travel_by_torch_and_are_counted():
         }
 
     loader = DataLoader(
-        Images(16), batch_size=4, num_workers=2, collate_fn=collate, slot_bytes=SLOT
+        Images(16),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context=LOCAL_OBJECTS,
+        collate_fn=collate,
+        slot_bytes=SLOT,
     )
     for b, batch in enumerate(loader):
         want = _expected(16, 4)[b]
@@ -615,7 +636,12 @@ def test_numpy_leaves_land_in_slot_as_arrays():
         return np.stack([s.numpy() for s in samples]), [int(s[0, 0, 0]) for s in samples]
 
     loader = DataLoader(
-        Images(16), batch_size=4, num_workers=2, collate_fn=collate, slot_bytes=SLOT
+        Images(16),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context=LOCAL_OBJECTS,
+        collate_fn=collate,
+        slot_bytes=SLOT,
     )
     for b, (array, ints) in enumerate(loader):
         assert type(array) is np.ndarray and array.dtype == np.uint8
@@ -629,7 +655,14 @@ def test_noncontiguous_and_channels_last_leaves_keep_values_and_layout():
         stacked = torch.stack(samples).float()
         return stacked.transpose(1, 3), stacked.contiguous(memory_format=torch.channels_last)
 
-    loader = DataLoader(Images(8), batch_size=4, num_workers=2, collate_fn=collate, slot_bytes=SLOT)
+    loader = DataLoader(
+        Images(8),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context=LOCAL_OBJECTS,
+        collate_fn=collate,
+        slot_bytes=SLOT,
+    )
     for b, (t, cl) in enumerate(loader):
         want = _expected(8, 4)[b].float()
         assert torch.equal(t, want.transpose(1, 3))
@@ -673,7 +706,14 @@ def test_namedtuple_and_nested_structure_kept():
             },
         )
 
-    loader = DataLoader(Images(8), batch_size=4, num_workers=2, collate_fn=collate, slot_bytes=SLOT)
+    loader = DataLoader(
+        Images(8),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context=LOCAL_OBJECTS,
+        collate_fn=collate,
+        slot_bytes=SLOT,
+    )
     for b, batch in enumerate(loader):
         want = _expected(8, 4)[b]
         assert type(batch) is Pair
@@ -688,7 +728,13 @@ def test_unpicklable_batch_is_that_batch_error_not_a_dead_worker():
     def collate(samples):
         return Local(torch.stack(samples)), lambda: None
 
-    loader = DataLoader(Images(8), batch_size=4, num_workers=2, collate_fn=collate)
+    loader = DataLoader(
+        Images(8),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context=LOCAL_OBJECTS,
+        collate_fn=collate,
+    )
     it = iter(loader)
     with pytest.raises(Exception, match="pickle"):
         next(it)
@@ -1044,6 +1090,7 @@ def test_dropped_batch_gives_its_slot_back_without_the_garbage_collector():
         Images(64),
         batch_size=4,
         num_workers=2,
+        multiprocessing_context=LOCAL_OBJECTS,
         slot_bytes=SLOT,
         collate_fn=lambda batch: {"images": torch.stack(batch)},
     )

@@ -15,6 +15,10 @@ from shmloader import DataLoader, LoaderStats
 from tests.helpers import datasets as D
 from tests.helpers.datasets import Images
 
+# Tests whose datasets or collate functions are defined in the test (local):
+# they reach workers only by fork, whatever the default start method.
+LOCAL_OBJECTS = "fork"
+
 # Slots held by batches are what these tests are about: small leaves stay views.
 pytestmark = pytest.mark.usefixtures("views_only")
 
@@ -167,7 +171,13 @@ def test_spills_counted_batch_mode():
         def __getitem__(self, i):
             return torch.full((2 ** (i + 8),), i % 251, dtype=torch.uint8)
 
-    loader = DataLoader(Growing(), batch_size=None, num_workers=2, slot_bytes=4096)
+    loader = DataLoader(
+        Growing(),
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context=LOCAL_OBJECTS,
+        slot_bytes=4096,
+    )
     got = run_epochs(loader, keep=False)
     del got
     stats = loader.stats()
@@ -314,7 +324,12 @@ def test_fallback_leaves_counted():
         return {"dense": dense, "sparse": dense.float().to_sparse()}
 
     loader = DataLoader(
-        Images(12), batch_size=4, num_workers=2, slot_bytes=SLOT, collate_fn=collate
+        Images(12),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context=LOCAL_OBJECTS,
+        slot_bytes=SLOT,
+        collate_fn=collate,
     )
     run_epochs(loader)
     stats = loader.stats()
