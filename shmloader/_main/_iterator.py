@@ -378,18 +378,14 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                     self._pool.stop(worker_id)
                 self._try_put_index()
                 continue
-            if idx != record.rcvd_idx:
-                record.tasks[idx].result = data
-                if not self._in_order and (
-                    record.next_epoch_at is None or idx < record.next_epoch_at
-                ):
-                    if record.first_in_turn([idx], per_worker) is None:
-                        record.waiting.add(idx)
-                        continue
-                    return self._yield_task(idx)
-            else:
-                record.tasks[idx].result = data
+            record.tasks[idx].result = data
+            if idx == record.rcvd_idx:
                 record.rcvd_idx += 1
+                return self._yield_task(idx)
+            if not self._in_order and (record.next_epoch_at is None or idx < record.next_epoch_at):
+                if record.first_in_turn([idx], per_worker) is None:
+                    record.waiting.add(idx)
+                    continue
                 return self._yield_task(idx)
 
     def _yield_task(self, idx):
@@ -450,10 +446,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._deferred_warnings.forget()
         if os.getpid() != self._owner_pid:
             return  # a forked child collecting a copy: the workers are not its own
-        pool = getattr(self, "_pool", None)
         try:
-            if pool is not None:
-                pool.shutdown(graceful)
+            self._pool.shutdown(graceful)
         finally:  # (interrupted, the workers are gone all the same: see shutdown)
             self._release_results()
 
@@ -461,19 +455,13 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         """Free what the gone workers left: results not yielded (their slots
         are free for the loader's next iterator even while this one is still
         referenced), and the ring."""
-        receiver = getattr(self, "_receiver", None)
-        if receiver is not None:
-            receiver.drop_all()
-        record = getattr(self, "_record", None)
-        if record is not None:
-            for result in record.arrived_results():
-                discard(result)
-        keeper = getattr(self, "_ring_keeper", None)
-        if keeper is not None:
-            keeper.hand_back(self._epochs.loader() is not None)
+        self._receiver.drop_all()
+        for result in self._record.arrived_results():
+            discard(result)
+        self._ring_keeper.hand_back(self._epochs.loader() is not None)
 
     def __del__(self) -> None:
-        if hasattr(self, "_epochs"):
+        if hasattr(self, "_record"):  # (its parts are made at once, the record last)
             self._shutdown_workers()
 
 

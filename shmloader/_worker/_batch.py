@@ -135,9 +135,6 @@ def _unslotted(ctx: TaskContext, arena, slot, task_id, data, samples, state):
     return reply
 
 
-# ---- fetch="sample" -------------------------------------------------------
-
-
 def _slot_bytes_needed(data, state) -> int:
     """The bytes `data` and the worker's state would take in a slot, or 0
     where the batch cannot be measured (torch's pickling decides on it)."""

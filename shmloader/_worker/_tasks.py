@@ -5,7 +5,7 @@ give a slot back, take the worker's state, word an error).
 
 The tasks themselves: a whole batch (_batch.py), a batch's rows or
 the first batch's probe with fetch="sample" (_rows.py).  The loop
-that hands them out: _worker.py.
+that hands them out: _loop.py.
 """
 
 from __future__ import annotations
