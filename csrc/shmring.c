@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -542,9 +543,19 @@ static int any_ready(const shmring_t *r) {
     return 0;
 }
 
+/* The eventfd and the caller's fds in one array for poll(): on the stack for
+ * up to this many (a loader of up to 31 workers), on the heap for more, so the
+ * count has no cap of its own; poll() refuses more than RLIMIT_NOFILE. */
+#define WAIT_STACK_FDS 64
+
 int shmring_wait(shmring_t *r, int timeout_ms, struct pollfd *fds, int nfds) {
-    if (nfds < 0 || nfds > 1024) return -EINVAL;
-    struct pollfd all[1025];
+    if (nfds < 0 || nfds == INT_MAX) return -EINVAL;
+    struct pollfd on_stack[WAIT_STACK_FDS];
+    struct pollfd *all = on_stack;
+    if (nfds + 1 > WAIT_STACK_FDS) {
+        all = malloc(((size_t)nfds + 1) * sizeof(struct pollfd));
+        if (all == NULL) return -ENOMEM;
+    }
     all[0].fd = r->efd;
     all[0].events = POLLIN;
     all[0].revents = 0;
@@ -569,6 +580,7 @@ int shmring_wait(shmring_t *r, int timeout_ms, struct pollfd *fds, int nfds) {
         if (read(r->efd, &drained, sizeof(drained)) < 0 && errno != EAGAIN) rc = -errno;
     }
     for (int i = 0; i < nfds; i++) fds[i].revents = all[i + 1].revents;
+    if (all != on_stack) free(all);
     return rc;
 }
 

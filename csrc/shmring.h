@@ -179,7 +179,10 @@ int shmring_worker_read(const shmring_t *r, uint32_t worker,
  * `timeout_ms` passes (-1: no timeout); with a slot READY already, return at
  * once.  Returns 0 on a wake-up (revents of `fds` are filled, in either case;
  * the caller then tries acquire and reads the fds that fired), -ETIMEDOUT, or
- * -EINTR when a signal arrived (the caller handles it and calls again). */
+ * -EINTR when a signal arrived (the caller handles it and calls again).  Any
+ * number of `fds` (two a worker): past a few dozen their array is allocated,
+ * -ENOMEM if it cannot be; poll() itself refuses more than RLIMIT_NOFILE
+ * (-EINVAL), more than the process can have open unless given one fd twice. */
 int shmring_wait(shmring_t *r, int timeout_ms, struct pollfd *fds, int nfds);
 
 /* Copy `n` bytes with non-temporal stores where the CPU has them (SSE2):
