@@ -20,6 +20,7 @@ from ._ring_memory import (
     retire,
     slots_that_fit,
     smaller_ring_message,
+    smaller_ring_slots,
 )
 
 if TYPE_CHECKING:
@@ -66,6 +67,9 @@ class RingKeeper:
         # Capped at what a ring can hold: tasks in flight beyond it travel
         # outside the ring (with the ring-full warning).
         self._nslots = num_slots or min(self._in_flight + SPARE_SLOTS, MAX_SLOTS)
+        # The fewest slots a default ring short of memory is made with: the
+        # batches in flight, the one being yielded and the one the loop holds.
+        self._least = None if self._sized_by_user else min(self._in_flight + 2, self._nslots)
         # Slot room beyond the batch's own for the worker state a batch carries.
         self.state_bytes = state_bytes
         self._register = register  # pin the ring (once): batches go to a CUDA device
@@ -108,7 +112,7 @@ class RingKeeper:
     def _open(self, slot_bytes: int) -> None:
         """The loader's spare ring where it fits, else a new one."""
         slot_bytes = max(slot_bytes, self.slot_bytes or 0) + self.state_bytes
-        self.ring = self.handover.take_spare_ring(self._nslots, slot_bytes)
+        self.ring = self.handover.take_spare_ring(self._nslots, slot_bytes, self._least)
         if self.ring is None:
             # The stats stop reading the loader's last ring, so that its memory
             # is gone before this one is measured out and made.
@@ -144,15 +148,14 @@ class RingKeeper:
         holds; below that, or with a num_slots the user chose, it is a
         SharedMemoryError naming the bytes needed and available."""
         nslots = self._nslots
-        if not self._sized_by_user:
-            fit, room = slots_that_fit(slot_bytes)
-            least = min(self._in_flight + 2, nslots)
-            if least <= fit < nslots:
-                nslots = fit
+        if self._least is not None:
+            smaller = smaller_ring_slots(nslots, self._least, slot_bytes)
+            if smaller is not None:
+                nslots, room = smaller
                 if not self.counters.warned_smaller_ring:
                     self.counters.warned_smaller_ring = True
                     self._warn(
-                        smaller_ring_message(fit, self._nslots, slot_bytes, room),
+                        smaller_ring_message(nslots, self._nslots, slot_bytes, room),
                         "warned_smaller_ring",
                     )
         return create_ring(nslots, slot_bytes)  # (its error names the sizes)

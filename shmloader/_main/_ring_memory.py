@@ -61,6 +61,18 @@ def slots_that_fit(slot_bytes: int, replacing: Ring | None = None) -> tuple[int,
     return fit, room
 
 
+def smaller_ring_slots(
+    nslots: int, least: int, slot_bytes: int, replacing: Ring | None = None
+) -> tuple[int, str] | None:
+    """Where the memory this process can get (see slots_that_fit) holds
+    fewer than a default ring's `nslots` slots of `slot_bytes` but at least
+    `least`: (how many it holds, that room in words), the size of the
+    smaller ring made instead; else None (all of them fit, or too few:
+    create_ring's error)."""
+    fit, room = slots_that_fit(slot_bytes, replacing)
+    return (fit, room) if least <= fit < nslots else None
+
+
 def smaller_ring_message(fit: int, nslots: int, slot_bytes: int, room: str) -> str:
     """What a loader says when its default ring of `nslots` did not fit in
     memory and it works on with `fit` slots."""
@@ -120,24 +132,39 @@ class RingHandover:
         # A copy of the loader (pickle, deepcopy) makes a ring of its own.
         return {**self.__dict__, "spare_ring": None}
 
-    def take_spare_ring(self, nslots: int, slot_bytes: int) -> Ring | None:
+    def take_spare_ring(
+        self, nslots: int, slot_bytes: int, least: int | None = None
+    ) -> Ring | None:
+        """The spare ring, where it has `nslots` slots of `slot_bytes` or
+        more; else None (it is retired).  `least`: `nslots` is the default
+        size, which a ring short of memory may have fewer slots than, down to
+        `least` (see smaller_ring_slots): a spare ring made smaller so is
+        taken too while memory still falls short of the default size and
+        holds it (else each iterator would retire it and make the same)."""
         ring, self.spare_ring = self.spare_ring, None
         # (Never a forked child's copy: its workers would write the parent's slots.)
-        if (
-            ring is not None
-            and ring.owned_here
-            and ring.nslots == nslots
-            and ring.slot_bytes >= slot_bytes
-        ):
-            return ring
+        if ring is not None and ring.owned_here and ring.slot_bytes >= slot_bytes:
+            if ring.nslots == nslots:
+                return ring
+            if least is not None and least <= ring.nslots < nslots:
+                smaller = smaller_ring_slots(nslots, least, slot_bytes, replacing=ring)
+                if smaller is not None and ring.nslots <= smaller[0]:
+                    return ring
         if ring is not None:
             retire(ring)  # (batches kept from it keep their slots only)
         return None
 
     def keep_spare_ring(self, ring: Ring) -> None:
-        """Take back the ring of an iterator whose workers have all exited."""
+        """Take back the ring of an iterator whose workers have all exited.
+        Where the loader has a spare ring already (two of its iterators were
+        alive at once), it keeps the better of the two and retires the other."""
         _settle(ring)
-        self.spare_ring = ring
+        kept, other = ring, self.spare_ring
+        if other is not None and _spare_rank(other) > _spare_rank(ring):
+            kept, other = other, ring
+        self.spare_ring = kept
+        if other is not None:
+            retire(other)  # (batches kept from it keep their slots only)
 
     def retire_spare_ring(self) -> None:
         """The loader is gone: its spare ring keeps only the memory of the
@@ -145,6 +172,15 @@ class RingHandover:
         ring, self.spare_ring = self.spare_ring, None
         if ring is not None:
             retire(ring)
+
+
+def _spare_rank(ring: Ring) -> tuple[bool, int, int]:
+    """Of two spare rings, the loader keeps the one of higher rank: one its
+    next iterator may take (this process's, larger slots: the slot size
+    learned only grows), then the one whose slots the user's batches hold
+    most of (those slots keep their memory either way, while the retired
+    ring's free slots give theirs back)."""
+    return ring.owned_here, ring.slot_bytes, ring.nslots - ring.count_free()
 
 
 def _settle(ring: Ring) -> None:

@@ -393,3 +393,53 @@ def test_page_cache_in_a_real_memory_cgroup_leaves_room_for_the_ring(tmp_path):
         assert int(total) == want and int(room_mb) >= 64, words
     finally:
         os.rmdir(group)
+
+
+def test_two_iterators_of_a_loader_retire_the_ring_not_kept_as_spare():
+    """Two live iterators of one non-persistent loader (it1 = iter(loader); it2 =
+    iter(loader)) each make a ring, and the loader keeps one for its next iterator: the one
+    whose slots the kept batches hold (its memory stays either way).  The other is retired:
+    its free slots give their memory back (once, the second ring handed back replaced the
+    first unretired, and batches kept from it held its whole reserved ring)."""
+    loader = DataLoader(
+        Images(64, shape=(3, 64, 64)), batch_size=4, num_workers=1, slot_bytes=SLOT
+    )  # (batches too big to be copied out of their slots)
+    for keep_from_first in (True, False):
+        it1, it2 = iter(loader), iter(loader)
+        rings = [it1._ring, it2._ring]
+        assert rings[0] is not rings[1]
+        kept = [next(it1 if keep_from_first else it2) for _ in range(2)]
+        next(it2 if keep_from_first else it1)
+        for ring in rings:
+            ring.reserve_all()  # what the background reservation does after the first batches
+            assert _reserved_bytes(ring) >= ring.nslots * SLOT
+        del it1, it2
+        holding, other = rings if keep_from_first else rings[::-1]
+        assert loader._ring_handover.spare_ring is holding
+        assert _reserved_bytes(other) < SLOT, "the ring not kept kept its memory"
+        assert _reserved_bytes(holding) >= holding.nslots * SLOT
+        assert [b[0, 0, 0, 0].item() for b in kept] == [0, 4]
+        del kept, ring, rings, holding, other
+
+
+def test_a_ring_made_smaller_for_want_of_memory_is_reused_while_memory_stays_short(monkeypatch):
+    """Memory for 7 of the default ring's 8 slots: each epoch of a non-persistent loader
+    takes the 7-slot ring the last one handed back, as it takes a whole ring, rather than
+    retiring it and making (and prefaulting) the same again; once memory holds the whole
+    ring, the next epoch makes it."""
+    from shmloader._worker._state import STATE_BYTES
+
+    monkeypatch.setenv("SHMLOADER_SHM_LIMIT", str(7 * _page_rounded(SLOT + STATE_BYTES)))
+    loader = DataLoader(Images(32, shape=(3, 64, 64)), batch_size=4, num_workers=2, slot_bytes=SLOT)
+    want = [[b.sum().item() for b in tud.DataLoader(Images(32, shape=(3, 64, 64)), batch_size=4)]]
+    rings = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the smaller ring's, once)
+        for epoch in range(3):
+            assert [[b.sum().item() for b in loader]] == want
+            rings.append(loader._ring_handover.spare_ring)
+        assert rings[0].nslots == 7
+        assert rings[1] is rings[0] and rings[2] is rings[0], "a new ring each epoch"
+        monkeypatch.delenv("SHMLOADER_SHM_LIMIT")
+        assert [[b.sum().item() for b in loader]] == want
+    assert loader._ring_handover.spare_ring.nslots == 8
