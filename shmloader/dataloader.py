@@ -28,6 +28,7 @@ from ._features._resume_progress import Progress, state_dict
 from ._main._iterator import IterableShmLoaderIter, ShmLoaderIter
 from ._main._ring_memory import RingHandover
 from ._main._single import SingleProcessIter
+from ._main._spare import SpareWorkers
 from ._main._stats import Counters, LoaderStats
 from ._main._warn import check_workers_as_torch, warn
 from ._shm._ring import MAX_SLOTS
@@ -240,6 +241,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.slot_bytes = _positive_int("slot_bytes", slot_bytes, upper=2**62)
         self.num_slots = _positive_int("num_slots", num_slots, upper=MAX_SLOTS)
         self._ring_handover = RingHandover()
+        self._spare_workers = SpareWorkers()
         self._retire_ring_when_gone()
         self._counters = Counters()
         self._epochs_started = 0
@@ -301,8 +303,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def _retire_ring_when_gone(self) -> None:
         # A batch kept after its loader is gone keeps its own slot's memory,
-        # not the whole ring's (at interpreter exit everything goes anyway).
+        # not the whole ring's; its spare workers exit (at interpreter exit
+        # everything goes anyway: multiprocessing ends daemon processes).
         weakref.finalize(self, self._ring_handover.retire_spare_ring).atexit = False
+        weakref.finalize(self, self._spare_workers.stop).atexit = False
 
     def __setstate__(self, state):
         # A copy (pickle, deepcopy, copy.copy, a spawned process's) starts
@@ -312,6 +316,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # started an epoch on it, see ShmLoaderIter._start_epoch).
         self.__dict__.update(state)
         self._ring_handover = copy.deepcopy(self._ring_handover)
+        self._spare_workers = SpareWorkers()
         self._counters = copy.deepcopy(self._counters)
         self._progress = copy.deepcopy(self._progress)
         self._retire_ring_when_gone()

@@ -76,10 +76,12 @@ def build_parts(it, loader, resume) -> Parts:
     # a pin_memory_device with no such device fails as torch's does; before
     # the workers start, so that none is left behind then.
     pin_device_id = _torch_api.pin_thread_device(it) if it._pin_memory else None
+    ctx = for_workers(loader.multiprocessing_context or torch.multiprocessing)
     try:
-        pool = WorkerPool(
-            for_workers(loader.multiprocessing_context or torch.multiprocessing),
+        pool = WorkerPool.start(
+            ctx,
             _worker_fields(it, loader, resume),
+            spare=loader._spare_workers.take(ctx, it._num_workers),
         )
     except BaseException:
         ring_keeper.hand_back(loader_alive=True)  # (a spare ring taken stays the loader's)

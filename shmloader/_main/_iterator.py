@@ -92,6 +92,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._delivery = parts.delivery
         self._record = parts.record
         self._ring_keeper.attach(self._pool)
+        # A non-persistent loader's next iterator: its workers start once
+        # this one's first batch is here (see _spare.py).
+        self._spare = None if self._persistent_workers else loader._spare_workers
         self._reset(loader, first_iter=True)
 
     @property
@@ -325,6 +328,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             batch = self._next_batch()
             while batch is _REPLAYED:
                 batch = self._next_batch()
+            if self._spare is not None:
+                spare, self._spare = self._spare, None
+                spare.start(self._pool.ctx, self._num_workers)
         except WorkerDied as e:
             self._end_on_death(e)
             raise

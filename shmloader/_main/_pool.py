@@ -28,8 +28,15 @@ from .._errors import WorkerDied
 from .._shm._segment import address_space_limit
 from .._worker import _one_off
 from .._worker._config import WorkerConfig
-from .._worker._loop import worker_loop
-from .._worker._protocol import EXIT, NO_RING_FDS_EXIT, NO_RING_MAPPING_EXIT, RingFds, from_worker
+from .._worker._loop import configured_worker_loop, worker_loop
+from .._worker._protocol import (
+    EXIT,
+    NO_RING_FDS_EXIT,
+    NO_RING_MAPPING_EXIT,
+    Configure,
+    RingFds,
+    from_worker,
+)
 from .._worker._shared_objects import SharedObjects
 from . import _torch_api
 from ._warn import warn_as_torch_worker_start
@@ -105,21 +112,9 @@ class _MainEnd(Connection):
         self.close()
 
 
-# What every worker gets alike: pickled once for all of them where they are
-# pickled at all (see _worker/_shared_objects.py).
+# What every worker gets alike: under spawn and forkserver, pickled once for
+# all of them (see _worker/_shared_objects.py).
 _SHARED_FIELDS = ("dataset", "collate_fn", "init_fn")
-
-
-def _pickled_once(ctx, configs) -> dict | None:
-    """Under spawn and forkserver, the fields to give each worker in place of
-    its own pickles of _SHARED_FIELDS; None under fork (nothing is pickled)."""
-    if ctx.get_start_method() == "fork" or not configs:
-        return None
-    try:
-        shared = SharedObjects.dump({name: configs[0][name] for name in _SHARED_FIELDS})
-    except (TypeError, AttributeError, PicklingError) as e:
-        _raise_unpicklable(e, ctx, configs[0]["worker_id"])
-    return {**dict.fromkeys(_SHARED_FIELDS), "shared": shared}
 
 
 def _raise_unpicklable(
@@ -148,44 +143,86 @@ def _raise_unpicklable(
     raise error from e
 
 
+# NOTE [pool: configured after start]
+# Under spawn and forkserver a worker starts with its connections only
+# (configured_worker_loop) and gets its config as its first message
+# (Configure): the fields each worker has of its own, then the fds of what
+# all share (SharedObjects: the dataset, collate_fn, worker_init_fn, pickled
+# once).  So the process can start before its iterator exists: a
+# non-persistent loader starts its next iterator's workers while the current
+# epoch runs (_spare.py), and what remains at iter() is the pickling, each
+# worker's unpickling, its seeding and worker_init_fn, all done then as
+# torch's workers do them (the dataset as it is at iter(), the seeds drawn
+# then).  Under fork a worker is its parent's memory at the fork: one forked
+# early would see the dataset as it was then, so fork workers are started at
+# iter() with their config.
+
+
 class WorkerPool:
-    def __init__(self, ctx, configs):
-        """Start one worker per partial config (a dict of WorkerConfig fields
-        without the connections)."""
-        self.processes = []
-        self.pids = []
-        self._tasks = []
-        self._results = []
-        self._exiting = set()
-        shared = _pickled_once(ctx, configs)
-        try:
-            for fields in configs:
-                self._start(ctx, fields if shared is None else {**fields, **shared})
-        except BaseException:
-            self.shutdown()
-            raise
-        finally:
-            if shared is not None:
-                shared["shared"].close()  # (each worker has its own fds now)
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.start_method = ctx.get_start_method()
+        self.owner_pid = os.getpid()
+        self.processes: list = []
+        self.pids: list[int] = []
+        self._tasks: list[Connection] = []
+        self._results: list[Connection] = []
+        self._exiting: set[int] = set()
+        self._conn_of_fd: dict[int, int] = {}
+        self._sentinels: dict[int, int] = {}
+        self.wait_fds: list[int] = []
+
+    @classmethod
+    def start(cls, ctx, configs, spare: WorkerPool | None = None) -> WorkerPool:
+        """One worker per partial config (a dict of WorkerConfig fields but
+        the connections): forked with it, or started and then sent it (see
+        the NOTE), the workers of `spare` (unconfigured()'s) if given."""
+        if ctx.get_start_method() == "fork":
+            pool = cls(ctx)
+            pool._start_all(ctx, configs)
+        else:
+            pool = spare if spare is not None else cls.unconfigured(ctx, len(configs))
+            pool._configure(ctx, configs)
         # As torch's iterator does: a SIGCHLD handler of torch's (it reports
         # no death here, since no pids are registered with it) replaces an
         # ignored SIGCHLD, under which exited workers could not be reaped.
         signal_handling._set_SIGCHLD_handler()
-        self._conn_of_fd = {c.fileno(): i for i, c in enumerate(self._results)}
-        self._sentinels = {p.sentinel: i for i, p in enumerate(self.processes)}
-        self._update_wait_fds()
+        pool._conn_of_fd = {c.fileno(): i for i, c in enumerate(pool._results)}
+        pool._sentinels = {p.sentinel: i for i, p in enumerate(pool.processes)}
+        pool._update_wait_fds()
+        return pool
+
+    @classmethod
+    def unconfigured(cls, ctx, count: int) -> WorkerPool:
+        """`count` workers waiting for their configs (spawn, forkserver)."""
+        pool = cls(ctx)
+        pool._start_all(ctx, [None] * count)
+        return pool
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
+
+    def _start_all(self, ctx, configs) -> None:
+        try:
+            for fields in configs:
+                self._start(ctx, fields)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _start(self, ctx, fields):
         main_tasks, worker_tasks = ctx.Pipe(duplex=True)
         # (A socket, as the tasks': one-off segments' fds come back over it.)
         main_results, worker_results = ctx.Pipe(duplex=True)
         main_tasks.__class__ = main_results.__class__ = _MainEnd
-        config = WorkerConfig(tasks=worker_tasks, results=worker_results, **fields)
-        process = ctx.Process(target=worker_loop, args=(config,), daemon=True)
+        if fields is None:
+            target, args = configured_worker_loop, (worker_tasks, worker_results, os.getpid())
+        else:
+            target = worker_loop
+            args = (WorkerConfig(tasks=worker_tasks, results=worker_results, **fields),)
+        process = ctx.Process(target=target, args=args, daemon=True)
         try:
             process.start()
-        except (TypeError, AttributeError, PicklingError) as e:
-            _raise_unpicklable(e, ctx, fields["worker_id"])
         except BaseException:
             main_tasks.close()
             main_results.close()
@@ -197,6 +234,24 @@ class WorkerPool:
         self.pids.append(process.pid)
         self._tasks.append(main_tasks)
         self._results.append(main_results)
+
+    def _configure(self, ctx, configs) -> None:
+        """Send each waiting worker its config (see the NOTE)."""
+        try:
+            try:
+                shared = SharedObjects.dump({name: configs[0][name] for name in _SHARED_FIELDS})
+            except (TypeError, AttributeError, PicklingError) as e:
+                _raise_unpicklable(e, ctx, configs[0]["worker_id"])
+            try:
+                for i, fields in enumerate(configs):
+                    own = {k: v for k, v in fields.items() if k not in _SHARED_FIELDS}
+                    self.send(i, Configure.wire(own, len(shared.fds)))
+                    self._send_fds(i, shared.fds)
+            finally:
+                shared.close()  # (each worker has its own fds now)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _update_wait_fds(self):
         # Workers told to exit are left out: their closed pipe and fired
@@ -230,12 +285,17 @@ class WorkerPool:
 
     def send_ring(self, ring) -> None:
         """Hand the ring's fds to every worker (SCM_RIGHTS over its socket)."""
-        for i, conn in enumerate(self._tasks):
+        for i in range(len(self._tasks)):
             if i in self._exiting:
                 continue
             self.send(i, RingFds.wire())
-            with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                sendfds(s, list(ring.fds))
+            self._send_fds(i, list(ring.fds))
+
+    def _send_fds(self, worker_id: int, fds: list[int]) -> None:
+        """fds after a message, in the stream of the worker's task socket (SCM_RIGHTS)."""
+        conn = self._tasks[worker_id]
+        with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            sendfds(s, fds)
 
     def stop(self, worker_id: int) -> None:
         """Tell one worker to exit (its IterableDataset is exhausted)."""

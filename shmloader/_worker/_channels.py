@@ -13,12 +13,48 @@ from multiprocessing.reduction import ForkingPickler, recvfds
 
 from torch._utils import ExceptionWrapper
 
-from ._exit import NoRingFds
+from ._config import WorkerConfig
+from ._exit import NoRingFds, without_ring
 from ._protocol import EXIT, RingFds, from_main
+from ._shared_objects import SharedObjects
 from ._watch import WATCHDOG_INTERVAL, is_alive, open_pidfd
 
 # What Inbox.next() returns when a ring's fds came: they are in Inbox.ring_fds.
 RING_FDS = RingFds._make(RingFds.wire())
+
+
+def receive_config(tasks, results) -> WorkerConfig | None:
+    """A worker's config, its first message (Configure); None when it is told
+    to exit first (a loader's spare workers, see _main/_pool.py)."""
+    msg = from_main(tasks.recv())
+    if msg is EXIT:
+        return None
+    try:
+        fds = _receive_fds(tasks, msg.nfds)
+    except NoRingFds as e:  # (its first fds: only a limit of a handful of files does that)
+        without_ring(msg.fields["worker_id"], e)
+    return WorkerConfig(
+        tasks=tasks,
+        results=results,
+        dataset=None,  # (these three in `shared`)
+        collate_fn=None,
+        init_fn=None,
+        shared=SharedObjects.received(fds),
+        **msg.fields,
+    )
+
+
+def _receive_fds(conn, count: int) -> list[int]:
+    """The `count` fds that follow a message in conn's stream; NoRingFds when
+    no fd was left to take them."""
+    try:
+        with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            return recvfds(s, count)
+    except (RuntimeError, AssertionError, OSError) as e:
+        # No fd left for the socket's dup, or the kernel dropped the fds.
+        if isinstance(e, OSError) and e.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        raise NoRingFds(str(e)) from e
 
 
 class Inbox:
@@ -48,16 +84,7 @@ class Inbox:
             msg = from_main(self._conn.recv())
             if msg is not EXIT and msg.kind == "ring":
                 # The fds follow the message in the stream: take them now.
-                try:
-                    with socket.fromfd(
-                        self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM
-                    ) as s:
-                        self.ring_fds = recvfds(s, 2)
-                except (RuntimeError, AssertionError, OSError) as e:
-                    # No fd left for the socket's dup, or the kernel dropped the fds.
-                    if isinstance(e, OSError) and e.errno not in (errno.EMFILE, errno.ENFILE):
-                        raise
-                    raise NoRingFds(str(e)) from e
+                self.ring_fds = _receive_fds(self._conn, 2)
             else:
                 self._pending.append(msg)
             timeout = 0

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Callable
 
 import numpy as np
 import numpy.random  # noqa: F401  here, once: else every forked worker imports it (~9 ms) to seed
@@ -39,7 +40,7 @@ import torch
 from torch.utils.data._utils import worker as torch_worker
 
 from ._batch import batch
-from ._channels import Inbox, send
+from ._channels import Inbox, receive_config, send
 from ._config import WorkerConfig
 from ._exit import NoRingFds, NoRingMapping, orphaned, set_exit_handlers, without_ring
 from ._malloc import keep_freed_memory
@@ -51,19 +52,34 @@ from ._watch import start_watchdog
 
 
 def worker_loop(cfg: WorkerConfig) -> None:
+    """A worker started with its config (fork)."""
+    _leaving_as_torch(cfg.manager_pid, lambda: cfg)
+
+
+def configured_worker_loop(tasks, results, manager_pid: int) -> None:
+    """A worker started before its config was known (spawn and forkserver:
+    NOTE [pool: configured after start]): the config is its first message."""
+    _leaving_as_torch(manager_pid, lambda: receive_config(tasks, results))
+
+
+def _leaving_as_torch(manager_pid: int, config: Callable[[], WorkerConfig | None]) -> None:
+    cfg = None
     try:
-        _run(cfg)
+        set_exit_handlers()  # first: the watchdog may leave at once, knowing whose temp dir is whose
+        start_watchdog(manager_pid)
+        cfg = config()
+        if cfg is not None:  # (else told to exit before it had one)
+            _run(cfg)
     except KeyboardInterrupt:
         pass  # the main process raises KeyboardInterrupt itself
     except (BrokenPipeError, ConnectionError, EOFError):
         orphaned()
     except (NoRingFds, NoRingMapping) as e:
+        assert cfg is not None  # (raised only once it has its config)
         without_ring(cfg.worker_id, e)
 
 
 def _run(cfg: WorkerConfig) -> None:
-    set_exit_handlers()  # first: the watchdog may leave at once, knowing whose temp dir is whose
-    start_watchdog(cfg.manager_pid)
     if cfg.shared is not None:
         # Before the seeding, as torch's workers unpickle their dataset.
         cfg = dataclasses.replace(cfg, **cfg.shared.load(), shared=None)

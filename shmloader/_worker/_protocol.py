@@ -1,7 +1,8 @@
 """The messages between the main process and its workers, as typed records.
 
-Main -> worker, over the worker's task socket: RingFds, UseLayout, Task,
-Rows, Probe, ResumeWorker, and EXIT.  Worker -> main, over the worker's
+Main -> worker, over the worker's task socket: Configure (first, under spawn
+and forkserver), RingFds, UseLayout, Task, Rows, Probe, ResumeWorker, and
+EXIT.  Worker -> main, over the worker's
 result pipe: Segment, Batch, ErrorReply, RowErrorReply, Described, Stop,
 Resumed.  A batch written into a ring slot sends no message at all: the
 slot is published on the ring (see _ring.pyx), and the main process takes
@@ -50,6 +51,21 @@ NO_RING_MAPPING_EXIT = 76
 
 
 # ---- main -> worker ---------------------------------------------------------
+
+
+class Configure(NamedTuple):
+    """Main -> a worker started before its iterator's config was known (spawn
+    and forkserver: see NOTE [pool: configured after start]), its first
+    message: the WorkerConfig fields but its connections and shared objects;
+    the shared objects' nfds fds follow in the stream (SCM_RIGHTS)."""
+
+    kind: str
+    fields: dict[str, Any]
+    nfds: int
+
+    @staticmethod
+    def wire(fields, nfds) -> tuple:
+        return ("configure", fields, nfds)
 
 
 class RingFds(NamedTuple):
@@ -248,6 +264,7 @@ class Resumed(NamedTuple):
 
 # Each direction's records by kind (every message's first item).
 _FROM_MAIN = {
+    "configure": Configure._make,
     "ring": RingFds._make,
     "layout": UseLayout._make,
     "task": Task._make,

@@ -15,8 +15,8 @@ The objects are pickled as multiprocessing pickles a process's arguments
 torch's workers: a tensor's storage is moved to shared memory and sent as an
 fd (torch's file_descriptor strategy), a SharedList as its segment's fd, a
 Connection or Queue as theirs.  The fds those reductions hand the spawning
-popen are kept here (_Collector) and given to each worker with its start
-(SharedObjects.__getstate__, through the real popen); in a worker,
+popen are kept here (_Collector) and sent to each worker, after the segment's
+own, over its task socket (SharedObjects.fds, see _standby.py); in a worker,
 InheritedFd.detach() returns a duplicate of the one it stands for, as the
 popens' own DupFd does, so each object that takes one owns its own.
 """
@@ -63,9 +63,9 @@ class _Collector:
 class SharedObjects:
     """A mapping of names to objects, pickled once, for every worker."""
 
-    def __init__(self, segment: Any, fds: list[Any]) -> None:
-        self._segment = segment  # the pickle's sealed segment (an fd, or a DupFd in a worker)
-        self._fds = fds  # the fds its objects were pickled with (likewise)
+    def __init__(self, segment: int, fds: list[int]) -> None:
+        self._segment = segment  # the pickle's sealed segment
+        self._fds = fds  # the fds its objects were pickled with
 
     @classmethod
     def dump(cls, objects: dict[str, Any]) -> SharedObjects:
@@ -90,27 +90,31 @@ class SharedObjects:
             raise
         return cls(segment, collector.fds)
 
+    @property
+    def fds(self) -> list[int]:
+        """What a worker receives to load them: the segment's fd, then the
+        objects' (SharedObjects.received)."""
+        return [self._segment, *self._fds]
+
+    @classmethod
+    def received(cls, fds: list[int]) -> SharedObjects:
+        """In a worker: the objects of the fds it received (their order: fds)."""
+        return cls(fds[0], fds[1:])
+
     def close(self) -> None:
-        """The main process's fds, once every worker has started."""
-        _close([self._segment, *self._fds])
+        """Its fds: the main process's once every worker has them, a worker's
+        once it has loaded the objects."""
+        _close(self.fds)
         self._fds = []
-
-    def __getstate__(self):
-        # Pickled with a worker's Process: the fds go through its real popen.
-        return reduction.DupFd(self._segment), [reduction.DupFd(fd) for fd in self._fds]
-
-    def __setstate__(self, state) -> None:
-        self._segment, self._fds = state
 
     def load(self) -> dict[str, Any]:
         """In a worker: the objects, unpickled from the segment."""
-        segment = self._segment.detach()
-        _inherited[:] = [fd.detach() for fd in self._fds]
+        _inherited[:] = self._fds
         try:
-            with mmap.mmap(segment, 0, prot=mmap.PROT_READ) as data:
+            with mmap.mmap(self._segment, 0, prot=mmap.PROT_READ) as data:
                 return pickle.loads(data)
         finally:
-            _close([segment, *_inherited])
+            self.close()
             _inherited.clear()
 
 

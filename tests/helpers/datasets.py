@@ -88,6 +88,19 @@ class EpochTagged(SizedMap):
         return torch.tensor([i, self.epoch])
 
 
+class WorkerTrace(EpochTagged):
+    """Item i: (i, the dataset's epoch as the worker sees it, worker id, its seed mod
+    2**31, what mark_init_fn marked (-1: nothing), the worker's pid); the pid last: the
+    one column in which torch's batches and shmloader's differ."""
+
+    n = 16
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        mark = _WORKER_STATE.get("mark", -1)
+        return torch.tensor([i, self.epoch, info.id, info.seed % 2**31, mark, os.getpid()])
+
+
 class TaggingSampler(Sampler):
     """Sequential, and each iteration moves its dataset's epoch on, in the main process."""
 

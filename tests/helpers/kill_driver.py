@@ -120,7 +120,10 @@ def main_ends(args):
         _KEEP.extend([loader, it])
         for _ in it:
             pass
-    pids = list(it._pool.pids)
+    # With the spare workers a non-persistent loader starts for its next
+    # epoch (spawn, forkserver): idle, they must go as the others do.
+    spare = loader._spare_workers._pool
+    pids = list(it._pool.pids) + (spare.pids if spare is not None else [])
     emit(
         "ready",
         pid=os.getpid(),
