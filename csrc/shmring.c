@@ -77,6 +77,8 @@ struct shmring {
     struct shmring_header *hdr;
     struct shmring_slot *slots;
     struct shmring_worker *workers;
+    int poison;       /* byte written over a slot's data at release, -1: none */
+    int poison_view;  /* 1: over this process's view only (shmring_set_poison) */
 };
 
 static uint64_t round_up(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
@@ -113,6 +115,7 @@ static int map_segment(int fd, int efd, uint64_t bytes, shmring_t **out) {
     r->hdr = (struct shmring_header *)base;
     r->slots = (struct shmring_slot *)(r->base + sizeof(struct shmring_header));
     r->workers = NULL; /* set once the geometry is known (init or attach) */
+    r->poison = -1;
     *out = r;
     return 0;
 }
@@ -476,9 +479,44 @@ int shmring_acquire(shmring_t *r, uint32_t *slot, uint64_t *seq, uint64_t *meta_
     return -EAGAIN;
 }
 
+/* Poison mode: `slot`'s data overwritten with r->poison (see shmring.h). */
+static int poison_slot(shmring_t *r, uint32_t slot) {
+    struct shmring_slot *s = &r->slots[slot];
+    /* Only a slot this consumer holds: in any other state the bytes are
+     * someone else's (the release below reports the error).  Relaxed: the
+     * state is READING only by this process's own acquire. */
+    if (atomic_load_explicit(&s->state, memory_order_relaxed) != SHMRING_READING) return 0;
+    /* Never written (no batch in it) or its pages dropped (they read as
+     * zeros): nothing to hide, and no memory reserved to write on. */
+    if (!atomic_load_explicit(&s->reserved, memory_order_acquire)) return 0;
+    char *data = shmring_slot_data(r, slot);
+    uint64_t n = r->hdr->slot_bytes;
+    if (r->poison_view &&
+        mmap(data, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) ==
+            MAP_FAILED)
+        return -errno; /* the view as it was: the slot stays READING */
+    memset(data, r->poison, n);
+    return 0;
+}
+
 int shmring_release(shmring_t *r, uint32_t slot) {
+    if (slot >= r->hdr->nslots) return -EINVAL;
+    if (r->poison >= 0) {
+        int rc = poison_slot(r, slot);
+        if (rc) return rc;
+    }
+    /* Release order: the pattern is complete before any claim sees FREE. */
     return transition(r, slot, SHMRING_READING, SHMRING_FREE, memory_order_release);
 }
+
+int shmring_set_poison(shmring_t *r, int byte, int private_view) {
+    if (byte < -1 || byte > 255) return -EINVAL;
+    r->poison = byte;
+    r->poison_view = private_view != 0;
+    return 0;
+}
+
+int shmring_poison(const shmring_t *r) { return r->poison; }
 
 int shmring_slot_privatize(shmring_t *r, uint32_t slot) {
     if (slot >= r->hdr->nslots) return -EINVAL;

@@ -134,8 +134,25 @@ int shmring_abandon(shmring_t *r, uint32_t slot);
 int shmring_acquire(shmring_t *r, uint32_t *slot, uint64_t *seq, uint64_t *meta_off,
                     uint64_t *meta_len);
 
-/* Consumer: READING -> FREE once nothing views the slot any more. */
+/* Consumer: READING -> FREE once nothing views the slot any more.  With a
+ * poison byte set (shmring_set_poison) the slot's data bytes are overwritten
+ * with it first, and only then is FREE stored (release order): no producer
+ * can claim the slot before the pattern is complete, so a view of it that
+ * escaped its lease reads the pattern, never the next batch.  Only data:
+ * the header and the slot's descriptor are left alone; a slot whose pages
+ * were never reserved holds no batch (and may have no memory behind it) and
+ * is not written. */
 int shmring_release(shmring_t *r, uint32_t slot);
+
+/* Poison mode for this handle (process-local; no other process's handle is
+ * affected): `byte` 0..255 is written over a slot's data at each release,
+ * -1 (the default) turns it off.  `private_view`: overwrite this process's
+ * view only, mapping fresh private memory filled with the byte over the
+ * slot (for a segment no producer writes again, whose pages a forked child
+ * may still map and keep); else the shared pages themselves.  -EINVAL for a
+ * byte out of range. */
+int shmring_set_poison(shmring_t *r, int byte, int private_view);
+int shmring_poison(const shmring_t *r);
 
 /* Consumer, before it forks: replace this process's mapping of a slot it
  * holds with a private copy of its bytes, at the same address, so that a

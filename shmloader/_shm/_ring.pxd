@@ -46,6 +46,8 @@ cdef extern from "shmring.h" nogil:
     int shmring_abandon(shmring_t *r, uint32_t slot)
     int shmring_acquire(shmring_t *r, uint32_t *slot, uint64_t *seq, uint64_t *meta_off, uint64_t *meta_len)
     int shmring_release(shmring_t *r, uint32_t slot)
+    int shmring_set_poison(shmring_t *r, int byte, int private_view)
+    int shmring_poison(const shmring_t *r)
     int shmring_slot_privatize(shmring_t *r, uint32_t slot)
     int shmring_slot_share(shmring_t *r, uint32_t slot)
     int shmring_slot_drop_pages(shmring_t *r, uint32_t slot)

@@ -58,7 +58,8 @@ cdef Ring _create(create_fn create, str where, uint32_t nslots, uint64_t slot_by
 @cython.no_gc_clear
 cdef class Ring:
     cdef shmring_t *_r
-    # Consumer-side policy hooks (see _cuda.py), None unless set:
+    # Consumer-side policy hooks (see _cuda.py, and _poison.py for one-off
+    # segments), None unless set:
     # release_hook(slot) is called instead of releasing a lease's slot (the
     # hook releases it later with release()); on_destroy() runs before the
     # mapping goes.
@@ -235,6 +236,17 @@ cdef class Ring:
         _check(shmring_worker_read(self._r, worker, out), f"reading worker {worker}'s counts")
         return tuple(out[i] for i in range(SHMRING_WORKER_COUNTERS))
 
+    @property
+    def poison(self):
+        """The byte each slot's data is overwritten with when it is released,
+        before it is FREE again; -1: none (see _poison.py)."""
+        return shmring_poison(self._r)
+
+    def set_poison(self, int byte, bint private_view=False):
+        """Overwrite each released slot's data with `byte` (-1: stop);
+        `private_view`: this process's view of it only (see shmring.h)."""
+        _check(shmring_set_poison(self._r, byte, private_view), f"setting poison byte {byte}")
+
     def release(self, uint32_t slot):
         _check(self._give_back(slot), f"releasing slot {slot} (must be READING)")
 
@@ -249,7 +261,11 @@ cdef class Ring:
             if rc < 0:
                 return rc
             self._private.discard(slot)
-        rc = shmring_release(self._r, slot)
+        if shmring_poison(self._r) < 0:
+            rc = shmring_release(self._r, slot)
+        else:  # the slot's bytes overwritten first: no GIL held meanwhile
+            with nogil:
+                rc = shmring_release(self._r, slot)
         if rc == 0 and self._retired:
             shmring_slot_drop_pages(self._r, slot)  # memory only: nothing to report
         return rc

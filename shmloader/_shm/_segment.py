@@ -20,7 +20,7 @@ import os
 import resource
 
 from .._errors import SharedMemoryError
-from . import _memory
+from . import _memory, _poison
 from ._ring import Ring
 
 SHM_DIR = "/dev/shm"  # only where memfd_create is refused (see new_segment)
@@ -82,7 +82,12 @@ def ring_memory() -> str:
 
 def new_segment(nslots: int, slot_bytes: int) -> Ring:
     """A ring's segment in memfd memory, or in /dev/shm where memfd_create is
-    refused; SharedMemoryError where memory (or /dev/shm) is short."""
+    refused; SharedMemoryError where memory (or /dev/shm) is short.  In poison
+    mode its slots are overwritten as they are released (_poison.py)."""
+    return _poison.arm(_new_segment(nslots, slot_bytes))
+
+
+def _new_segment(nslots: int, slot_bytes: int) -> Ring:
     global _memfd_refused
     try:
         if _memfd_refused is None:

@@ -8,7 +8,8 @@ slot (_layout), into a one-slot ring made for it in memfd memory, and sends
 the segment's fds after its pipe message (SCM_RIGHTS, as the ring's own fds
 go to the workers).  The main process maps it and takes its slot's lease: the
 batch's tensors view the mapping, which lives as long as they do, exactly as
-a slot lease does, and is unmapped when the last of them is gone.  Its fds
+a slot lease does, and is unmapped when the last of them is gone (in poison
+mode, overwritten first: NOTE [poison: who writes the pattern]).  Its fds
 are closed at once, so kept batches hold no fd.  Only leaves that cannot live
 in shared memory at all (sparse, CUDA, arbitrary objects) still go by torch's
 pickling, inside the metadata, as from a slot.
@@ -23,7 +24,7 @@ from multiprocessing.reduction import recvfds, sendfds
 
 import torch
 
-from .._shm import _layout
+from .._shm import _layout, _poison
 from .._shm._ring import Ring
 from .._shm._segment import new_segment
 from ._arena import Arena
@@ -69,4 +70,4 @@ def receive(conn):
         for fd in fds:
             os.close(fd)
     segment.close_fds()  # the mapping stays
-    return segment.acquire()
+    return _poison.arm_one_off(segment).acquire()
