@@ -26,6 +26,7 @@ from ._features._resume import Resume
 from ._features._resume_check import check_state
 from ._features._resume_progress import Progress, state_dict
 from ._main._iterator import IterableShmLoaderIter, ShmLoaderIter
+from ._main._pool import reap_leaving
 from ._main._ring_memory import RingHandover
 from ._main._single import SingleProcessIter
 from ._main._spare import SpareWorkers
@@ -307,6 +308,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # everything goes anyway: multiprocessing ends daemon processes).
         weakref.finalize(self, self._ring_handover.retire_spare_ring).atexit = False
         weakref.finalize(self, self._spare_workers.stop).atexit = False
+        # (and the workers its last epoch left, once they have exited: see WorkerPool.leave_idle)
+        weakref.finalize(self, reap_leaving, True).atexit = False
 
     def __setstate__(self, state):
         # A copy (pickle, deepcopy, copy.copy, a spawned process's) starts

@@ -367,7 +367,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                     self._deferred_warnings.raise_first()
                 self._epochs.progress.epoch_ended()
                 if not self._persistent_workers:
-                    self._shutdown_workers()
+                    self._shutdown_workers(idle=True)
                 raise StopIteration
             if record.tasks[idx].result is not None:
                 record.rcvd_idx += 1
@@ -436,7 +436,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             self._end_on_death(e)
             raise
 
-    def _shutdown_workers(self, graceful: bool = True) -> None:
+    def _shutdown_workers(self, graceful: bool = True, idle: bool = False) -> None:
+        """Stop the workers: graceful=False at once (one died); idle=True
+        (the epoch's end: every task answered) without waiting for them to
+        exit (WorkerPool.leave_idle)."""
         if (
             _utils is None
             or _utils.python_exit_status is not False
@@ -453,7 +456,10 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         if os.getpid() != self._owner_pid:
             return  # a forked child collecting a copy: the workers are not its own
         try:
-            self._pool.shutdown(graceful)
+            if idle:
+                self._pool.leave_idle()
+            else:
+                self._pool.shutdown(graceful)
         finally:  # (interrupted, the workers are gone all the same: see shutdown)
             self._release_results()
 

@@ -20,7 +20,7 @@ import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
 from pickle import PicklingError
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from torch.utils.data._utils import signal_handling
 
@@ -160,6 +160,7 @@ def _raise_unpicklable(
 
 class WorkerPool:
     def __init__(self, ctx) -> None:
+        reap_leaving()
         self.ctx = ctx
         self.start_method = ctx.get_start_method()
         self.owner_pid = os.getpid()
@@ -363,13 +364,7 @@ class WorkerPool:
         with graceful=False (a worker died: the rest is abandoned) terminate
         at once."""
         try:
-            told = []
-            for p, conn in zip(self.processes, self._tasks):
-                try:
-                    conn.send(EXIT)
-                    told.append(p)
-                except OSError:
-                    pass  # gone, or its pipe end finalized already: nothing to wait for
+            told = self._tell_exit()
             deadline = time.monotonic() + (JOIN_TIMEOUT if graceful else 0.0)
             for p in told:
                 p.join(max(0.0, deadline - time.monotonic()))
@@ -377,6 +372,28 @@ class WorkerPool:
             # Also when the wait is interrupted (Ctrl-C): as torch's shutdown,
             # whatever happened, no worker outlives it.
             self._end_processes()
+
+    def leave_idle(self) -> None:
+        """Ask every worker, idle (its every task answered: none may write to
+        the ring any more), to exit, without waiting: they are reaped later
+        (reap_leaving), so that an epoch's end does not wait for processes to
+        exit."""
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        _leaving.extend((self.owner_pid, deadline, p) for p in self._tell_exit())
+        for conn in self._tasks + self._results:
+            conn.close()
+        self._exiting = set(range(len(self.processes)))
+
+    def _tell_exit(self) -> list:
+        """Send every worker EXIT; those it reached."""
+        told = []
+        for p, conn in zip(self.processes, self._tasks):
+            try:
+                conn.send(EXIT)
+                told.append(p)
+            except OSError:
+                pass  # gone, or its pipe end finalized already: nothing to wait for
+        return told
 
     def _end_processes(self) -> None:
         for p in self.processes:
@@ -396,6 +413,31 @@ class WorkerPool:
             for conn in self._tasks + self._results:
                 conn.close()
             self._exiting = set(range(len(self.processes)))
+
+
+# Workers left idle at an epoch's end (WorkerPool.leave_idle), with the time
+# by which they should have exited.
+_leaving: list[tuple[int, float, Any]] = []  # (the pid whose children they are, ...)
+
+
+def reap_leaving(wait: bool = False) -> None:
+    """Reap the workers left at epochs' ends that have exited (with wait,
+    once they have, as a shutdown waits), and end those still there past
+    their time, as a shutdown ends stragglers."""
+    still = []
+    for owner, deadline, process in _leaving:
+        if owner != os.getpid():
+            continue  # (a forked child's copy of the list: its parent's workers)
+        if wait:
+            process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            if time.monotonic() < deadline:
+                still.append((owner, deadline, process))
+                continue
+            process.kill()
+            process.join()
+        process.close()
+    _leaving[:] = still
 
 
 def send_bytes(conn, data: bytes) -> None:
