@@ -167,14 +167,19 @@ class RingKeeper:
         self.counters.use_ring(None, self._num_workers)
         retire(ring)
 
-    def hand_back(self, loader_alive: bool) -> None:
-        """Every worker is gone: the ring goes back to the loader for its next
-        iterator (batches the user holds keep their slots), or, when the
-        loader is gone, keeps only the slots those batches hold."""
+    def hand_back(
+        self, loader_alive: bool, writers_gone: Callable[[], object] | None = None
+    ) -> None:
+        """Every worker is gone, or told to go (`writers_gone` waits until
+        they are): the ring goes back to the loader for its next iterator
+        (batches the user holds keep their slots), or, when the loader is
+        gone, keeps only the slots those batches hold."""
         if self.ring is not None:
             if loader_alive:
-                self.handover.keep_spare_ring(self.ring)
+                self.handover.keep_spare_ring(self.ring, writers_gone)
             else:
+                if writers_gone is not None:
+                    writers_gone()
                 retire(self.ring)
             self.ring = None
 

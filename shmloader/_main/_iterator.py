@@ -34,6 +34,7 @@ _reset if the samplers still describe the epoch they were drawn for
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing.util
 import os
 import time
@@ -438,8 +439,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
 
     def _shutdown_workers(self, graceful: bool = True, idle: bool = False) -> None:
         """Stop the workers: graceful=False at once (one died); idle=True
-        (the epoch's end: every task answered) without waiting for them to
-        exit (WorkerPool.leave_idle)."""
+        (the epoch's end) without waiting for them to exit: whoever reuses
+        or retires the ring waits (WorkerPool.leave_idle)."""
         if (
             _utils is None
             or _utils.python_exit_status is not False
@@ -455,22 +456,25 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._deferred_warnings.forget()
         if os.getpid() != self._owner_pid:
             return  # a forked child collecting a copy: the workers are not its own
+        writers_gone = None
         try:
             if idle:
                 self._pool.leave_idle()
+                writers_gone = functools.partial(self._pool.reap, True)
             else:
                 self._pool.shutdown(graceful)
         finally:  # (interrupted, the workers are gone all the same: see shutdown)
-            self._release_results()
+            self._release_results(writers_gone)
 
-    def _release_results(self) -> None:
-        """Free what the gone workers left: results not yielded (their slots
-        are free for the loader's next iterator even while this one is still
-        referenced), and the ring."""
+    def _release_results(self, writers_gone=None) -> None:
+        """Free what the workers, gone or going (`writers_gone` waits until
+        they are gone), left: results not yielded (their slots are free for
+        the loader's next iterator even while this one is still referenced),
+        and the ring."""
         self._receiver.drop_all()
         for result in self._record.arrived_results():
             discard(result)
-        self._ring_keeper.hand_back(self._epochs.loader() is not None)
+        self._ring_keeper.hand_back(self._epochs.loader() is not None, writers_gone)
 
     def __del__(self) -> None:
         if hasattr(self, "_record"):  # (its parts are made at once, the record last)

@@ -20,7 +20,7 @@ import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
 from pickle import PicklingError
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from torch.utils.data._utils import signal_handling
 
@@ -169,6 +169,8 @@ class WorkerPool:
         self._tasks: list[Connection] = []
         self._results: list[Connection] = []
         self._exiting: set[int] = set()
+        self._leaving_by = 0.0  # (leave_idle: when those not gone are killed)
+        self._reaped: set[int] = set()  # (leave_idle: those closed since)
         self._conn_of_fd: dict[int, int] = {}
         self._sentinels: dict[int, int] = {}
         self.wait_fds: list[int] = []
@@ -374,15 +376,36 @@ class WorkerPool:
             self._end_processes()
 
     def leave_idle(self) -> None:
-        """Ask every worker, idle (its every task answered: none may write to
-        the ring any more), to exit, without waiting: they are reaped later
-        (reap_leaving), so that an epoch's end does not wait for processes to
-        exit."""
-        deadline = time.monotonic() + JOIN_TIMEOUT
-        _leaving.extend((self.owner_pid, deadline, p) for p in self._tell_exit())
+        """Ask every worker to exit at its epoch's end, without waiting: a
+        worker may still give back a slot of a task it was sent and never
+        answered (its IterableDataset ran out first), so whoever reuses or
+        retires the ring waits for them first (reap(wait=True), see
+        RingHandover); until then they are reaped as they exit, by any
+        pool's start, so that an epoch's end does not wait for processes."""
+        self._leaving_by = time.monotonic() + JOIN_TIMEOUT
+        self._tell_exit()
         for conn in self._tasks + self._results:
             conn.close()
         self._exiting = set(range(len(self.processes)))
+        _leaving.append(self)
+
+    def reap(self, wait: bool) -> bool:
+        """After leave_idle: close the workers that have exited (with wait,
+        once all have, as a shutdown waits), killing those still there past
+        their time; whether all are gone."""
+        for i, p in enumerate(self.processes):
+            if i in self._reaped:
+                continue
+            if wait:
+                p.join(max(0.0, self._leaving_by - time.monotonic()))
+            if p.is_alive():
+                if time.monotonic() < self._leaving_by:
+                    continue
+                p.kill()
+                p.join()
+            p.close()
+            self._reaped.add(i)
+        return len(self._reaped) == len(self.processes)
 
     def _tell_exit(self) -> list:
         """Send every worker EXIT; those it reached."""
@@ -415,29 +438,20 @@ class WorkerPool:
             self._exiting = set(range(len(self.processes)))
 
 
-# Workers left idle at an epoch's end (WorkerPool.leave_idle), with the time
-# by which they should have exited.
-_leaving: list[tuple[int, float, Any]] = []  # (the pid whose children they are, ...)
+# Pools left at their epochs' ends (WorkerPool.leave_idle), until all their
+# workers are reaped.
+_leaving: list[WorkerPool] = []
 
 
 def reap_leaving(wait: bool = False) -> None:
-    """Reap the workers left at epochs' ends that have exited (with wait,
-    once they have, as a shutdown waits), and end those still there past
-    their time, as a shutdown ends stragglers."""
-    still = []
-    for owner, deadline, process in _leaving:
-        if owner != os.getpid():
-            continue  # (a forked child's copy of the list: its parent's workers)
-        if wait:
-            process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            if time.monotonic() < deadline:
-                still.append((owner, deadline, process))
-                continue
-            process.kill()
-            process.join()
-        process.close()
-    _leaving[:] = still
+    """Reap the workers left at epochs' ends that have exited (with wait:
+    all of them, as a shutdown waits for its workers)."""
+    _leaving[:] = [
+        pool
+        for pool in _leaving
+        # (a forked child's copy of the list: its parent's workers)
+        if pool.owner_pid == os.getpid() and not pool.reap(wait)
+    ]
 
 
 def send_bytes(conn, data: bytes) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._errors import SharedMemoryError
@@ -127,10 +128,24 @@ class RingHandover:
     learned_slot_bytes: int | None = None
     sample_layout: SampleLayout | None = None  # fetch="sample", once probed
     spare_ring: Ring | None = None
+    # Waits until the workers of the iterator that gave the spare ring back
+    # are gone (they may still give back a slot): before it is settled.
+    _writers_gone: Callable[[], object] | None = None
 
     def __getstate__(self):
         # A copy of the loader (pickle, deepcopy) makes a ring of its own.
-        return {**self.__dict__, "spare_ring": None}
+        return {**self.__dict__, "spare_ring": None, "_writers_gone": None}
+
+    def _spare_settled(self) -> Ring | None:
+        """The spare ring, taken from the handover, its workers gone and
+        what they left freed."""
+        ring, self.spare_ring = self.spare_ring, None
+        writers_gone, self._writers_gone = self._writers_gone, None
+        if ring is not None and ring.owned_here:
+            if writers_gone is not None:
+                writers_gone()
+            _settle(ring)
+        return ring
 
     def take_spare_ring(
         self, nslots: int, slot_bytes: int, least: int | None = None
@@ -141,7 +156,7 @@ class RingHandover:
         `least` (see smaller_ring_slots): a spare ring made smaller so is
         taken too while memory still falls short of the default size and
         holds it (else each iterator would retire it and make the same)."""
-        ring, self.spare_ring = self.spare_ring, None
+        ring = self._spare_settled()
         # (Never a forked child's copy: its workers would write the parent's slots.)
         if ring is not None and ring.owned_here and ring.slot_bytes >= slot_bytes:
             if ring.nslots == nslots:
@@ -154,22 +169,29 @@ class RingHandover:
             retire(ring)  # (batches kept from it keep their slots only)
         return None
 
-    def keep_spare_ring(self, ring: Ring) -> None:
-        """Take back the ring of an iterator whose workers have all exited.
-        Where the loader has a spare ring already (two of its iterators were
-        alive at once), it keeps the better of the two and retires the other."""
+    def keep_spare_ring(self, ring: Ring, writers_gone: Callable[[], object] | None) -> None:
+        """Take back the ring of an iterator whose workers have exited, or
+        are told to and may not have yet: `writers_gone` waits until they
+        are, before the ring is settled (taken or retired).  Where the
+        loader has a spare ring already (two of its iterators were alive at
+        once), it keeps the better of the two and retires the other."""
+        other = self._spare_settled()
+        if other is None:
+            self.spare_ring, self._writers_gone = ring, writers_gone
+            return
+        if writers_gone is not None:
+            writers_gone()
         _settle(ring)
-        kept, other = ring, self.spare_ring
-        if other is not None and _spare_rank(other) > _spare_rank(ring):
+        kept = ring
+        if _spare_rank(other) > _spare_rank(ring):
             kept, other = other, ring
         self.spare_ring = kept
-        if other is not None:
-            retire(other)  # (batches kept from it keep their slots only)
+        retire(other)  # (batches kept from it keep their slots only)
 
     def retire_spare_ring(self) -> None:
         """The loader is gone: its spare ring keeps only the memory of the
         slots batches still hold."""
-        ring, self.spare_ring = self.spare_ring, None
+        ring = self._spare_settled()
         if ring is not None:
             retire(ring)
 

@@ -110,24 +110,30 @@ def main_ends(args):
     }
     if args.when == "mid":
         loader = DataLoader(Sleepy(10**6, 0.01), **kw)
+        if not args.persistent:  # the second iterator starts spare workers (spawn, forkserver)
+            next(iter(loader))
         it = iter(loader)
         _KEEP.extend([loader, it])
         for _ in range(8):  # past the first batches, which size the ring
             next(it)
     else:
         loader = DataLoader(Images(32), **kw)
+        if not args.persistent:
+            next(iter(loader))
         it = iter(loader)
         _KEEP.extend([loader, it])
         for _ in it:
             pass
     # With the spare workers a non-persistent loader starts for its next
     # epoch (spawn, forkserver): idle, they must go as the others do.
-    spare = loader._spare_workers._pool
-    pids = list(it._pool.pids) + (spare.pids if spare is not None else [])
+    spare = loader._spare_workers._own()
+    spare_pids = spare.pids if spare is not None else []
+    pids = list(it._pool.pids) + spare_pids
     emit(
         "ready",
         pid=os.getpid(),
         workers=pids,
+        spare=spare_pids,
         workers_alive=[p for p in pids if alive(p)],
         ring=it._ring is not None or loader._ring_handover.spare_ring is not None,
     )

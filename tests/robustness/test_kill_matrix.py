@@ -393,6 +393,8 @@ def test_main_process_ends(scenarios, ctx, persistent, how, when):
     ready = r["ready"]
     if not ready["ring"]:
         problems.append("the loader had no ring at the event: the scenario missed the ring path")
+    if ctx != "fork" and not persistent and not ready["spare"]:
+        problems.append("no spare workers at the event: the scenario missed them")
     if (when == "mid" or persistent) and sorted(ready["workers_alive"]) != sorted(ready["workers"]):
         problems.append(f"workers not all alive at the event: {ready}")
     left = [p for p, t in r["gone_s"].items() if t is None]
