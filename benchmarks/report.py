@@ -386,6 +386,7 @@ def worker_start_markdown(document: dict[str, Any]) -> list[str]:
             "loader",
             "first batch s (spread)",
             "vs torch",
+            "first gap s",
             "epoch gap s (spread)",
             "vs torch",
             "steady interval ms",
@@ -405,6 +406,7 @@ def worker_start_markdown(document: dict[str, Any]) -> list[str]:
                     f"{_figure(r, 'first_batch_s', template='{:.3f}')} "
                     f"({_figure(r, 'first_batch_spread', template='{:.0%}')})",
                     _vs(r, reference, "first_batch_s"),
+                    _figure(r, "first_gap_s", template="{:.3f}"),
                     f"{_figure(r, 'gap_s', template='{:.3f}')} "
                     f"({_figure(r, 'gap_spread', template='{:.0%}')})",
                     _vs(r, reference, "gap_s"),
@@ -422,7 +424,9 @@ def worker_start_markdown(document: dict[str, Any]) -> list[str]:
         f"an epoch with a {s['step_s'] * 1e3:g} ms step after each; median of {s['reps']} runs "
         f"of {s['epochs']} epochs per condition, conditions alternated. First batch: iter() of "
         "the fresh loader to its first batch; epoch gap: the last batch of an epoch to the "
-        "first of the next; spread: (max - min) / median. "
+        "first of the next, over the boundaries from the second epoch's end on (first gap: "
+        "the first boundary, before shmloader's spare workers start); spread: (max - min) / "
+        "median. "
         + (
             "Every batch was checked against the expected one."
             if not wrong

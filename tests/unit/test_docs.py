@@ -317,6 +317,7 @@ def test_report_writes_worker_start_py_documents(report, tmp_path):
             "loader": loader,
             "first_batch_s": first,
             "first_batch_spread": 0.1,
+            "first_gap_s": 2 * gap,
             "gap_s": gap,
             "gap_spread": 0.2,
             "steady_interval_s": 0.01,
@@ -331,7 +332,7 @@ def test_report_writes_worker_start_py_documents(report, tmp_path):
         settings={
             "entries": 1000,
             "reps": 3,
-            "epochs": 2,
+            "epochs": 3,
             "batches": 20,
             "batch_size": 64,
             "step_s": 0.01,
@@ -341,7 +342,7 @@ def test_report_writes_worker_start_py_documents(report, tmp_path):
     (tmp_path / "worker_start.json").write_text(json.dumps(document))
     section = report.figures_section(tmp_path)
     assert (
-        "| spawn | 2 | `list` | shmloader | 1.000 (10%) | **0.25x** | 2.100 (20%) | **0.50x** "
+        "| spawn | 2 | `list` | shmloader | 1.000 (10%) | **0.25x** | 4.200 | 2.100 (20%) | **0.50x** "
         "| 10.0 | 210.0x |" in section
     )
     assert "Every batch was checked" in section
