@@ -26,6 +26,7 @@ from ._features._resume import Resume
 from ._features._resume_check import check_state
 from ._features._resume_progress import Progress, state_dict
 from ._main._iterator import IterableShmLoaderIter, ShmLoaderIter
+from ._main._open_files import check_num_workers
 from ._main._pool import reap_leaving
 from ._main._ring_memory import RingHandover
 from ._main._single import SingleProcessIter
@@ -301,6 +302,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         _check_flag("prefetch_next_epoch", self.prefetch_next_epoch)
         self.device = check_device(self.device)
         _check_map_style(self)
+        check_num_workers(self.num_workers)  # under the open-files limit
 
     def _retire_ring_when_gone(self) -> None:
         # A batch kept after its loader is gone keeps its own slot's memory,
