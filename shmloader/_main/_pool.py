@@ -39,6 +39,7 @@ from .._worker._protocol import (
 )
 from .._worker._shared_objects import SharedObjects
 from . import _torch_api
+from ._open_files import check_room_for_workers, too_many_open_files
 from ._warn import warn_as_torch_worker_start
 
 # Like torch's MP_STATUS_CHECK_INTERVAL: how long shutdown waits for workers
@@ -206,6 +207,7 @@ class WorkerPool:
         return all(p.is_alive() for p in self.processes)
 
     def _start_all(self, ctx, configs) -> None:
+        check_room_for_workers(len(configs))
         try:
             for fields in configs:
                 self._start(ctx, fields)
@@ -317,12 +319,18 @@ class WorkerPool:
         for fd in fired_fds:
             worker_id = self._conn_of_fd.get(fd)
             if worker_id is not None:
+                kind = None
                 try:
                     msg = from_worker(self._results[worker_id].recv())
-                    if msg.kind == "segment":  # its fds follow in the stream
+                    kind = msg.kind
+                    if kind == "segment":  # its fds follow in the stream
                         msg = msg._replace(lease=_one_off.receive(self._results[worker_id]))
                     messages.append((worker_id, msg))
                 except (EOFError, OSError, RuntimeError) as e:
+                    if _out_of_fds(e) and kind == "segment":  # shmloader's own: its words
+                        raise RuntimeError(
+                            too_many_open_files(f"receiving a batch from worker {worker_id}")
+                        ) from None
                     if _out_of_fds(e):  # a batch of torch's transport: torch's words
                         raise RuntimeError(_torch_api.TOO_MANY_FILES) from None
                     if isinstance(e, RuntimeError):

@@ -198,11 +198,6 @@ print("full:", refused(lambda: check_room_for_workers(1)))
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="shmloader/_main/_pool.py is to call _open_files.check_room_for_workers as a pool "
-    "starts its workers (issue 39); until then a bare OSError 'Too many open files'",
-)
 def test_workers_that_do_not_fit_beside_open_files_are_a_clear_error_at_iter():
     """Other files open (another loader's workers, the user's) leave room for fewer
     workers than the loader has: iter() raises OSError(EMFILE) naming the limit, what is
@@ -226,12 +221,6 @@ print("then:", len(list(loader)))  # with the files closed, the same loader runs
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="shmloader/_main/_pool.py's receive() gives torch's words (and its advice to change "
-    "torch's sharing strategy, which shmloader's batches do not use) for a one-off segment "
-    "whose fds could not be received; _open_files.too_many_open_files names the limit",
-)
 def test_running_out_of_files_mid_epoch_names_the_limit():
     """Files opened after the workers started leave none for the epoch's first batches,
     which come outside the ring, each in a segment of its own whose fds the main process
