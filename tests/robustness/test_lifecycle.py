@@ -530,6 +530,7 @@ def test_timeout_raises_like_torch():
 def test_many_iterators_do_not_grow_fds_or_children():
     loader = DataLoader(Images(16), batch_size=4, num_workers=2)
     list(loader)  # sizes the ring, which the loader then keeps
+    list(loader)  # (spawn, forkserver: starts the spare workers the loader then keeps)
     gc.collect()
     fds = open_fds()
     for _ in range(5):
@@ -725,7 +726,9 @@ WATCHED_SCRIPT = textwrap.dedent("""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     files = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
-    it = iter(DataLoader(Busy(8, seconds=120), batch_size=2, num_workers=2))
+    # (Busy lives in this script's __main__: workers forked, as the test is about)
+    it = iter(DataLoader(Busy(8, seconds=120), batch_size=2, num_workers=2,
+                         multiprocessing_context="fork"))
     print(" ".join(map(str, it._pool.pids)), flush=True)
     next(it)
 """)
@@ -829,7 +832,8 @@ INTERRUPTED_SHUTDOWN_SCRIPT = textwrap.dedent("""
 
     busy_read, busy_write = os.pipe()
     fds = open_fds()
-    loader = lib.DataLoader(SlowAfterFirstBatch(busy_write), batch_size=4, num_workers=2)
+    loader = lib.DataLoader(SlowAfterFirstBatch(busy_write), batch_size=4, num_workers=2,
+                            multiprocessing_context="fork")  # (workers inherit the pipe)
     it = iter(loader)
     next(it)
     os.read(busy_read, 1)  # a worker is in a slow sample (else its tasks are skipped at once)
@@ -1043,13 +1047,16 @@ def test_workers_objects_are_pickled_once_per_iterator_not_per_worker(context):
     PickleCounted.pickled = 0
     loader = DataLoader(ours, batch_size=4, num_workers=3, multiprocessing_context=context)
     fds = []
-    for epoch in range(3):  # non-persistent: new workers, pickled again, once
+    for epoch in range(4):  # non-persistent: new workers, pickled again, once
         got = list(loader)
         assert [b.tolist() for b in got] == [b.tolist() for b in expected]
         assert PickleCounted.pickled == epoch + 1
         del got
+        loader._spare_workers._own()  # (their start, in a thread, over)
         fds.append(len(os.listdir("/proc/self/fd")))
-    assert fds[1:] == fds[:1] * 2  # (the ring stays the loader's) each pickle's fds closed
+    # (the ring stays the loader's, and from the second epoch on its spare workers) each
+    # pickle's fds closed
+    assert fds[2:] == fds[1:2] * 2
 
 
 OWN_FORKSERVER_SCRIPT = textwrap.dedent("""

@@ -335,11 +335,14 @@ class Growing(tud.Dataset):  # batches of 2 grow from 2 KB to 12 KB
     def __getitem__(self, i): return torch.full((1000 * (i // 2 + 1),), i, dtype=torch.uint8)
 
 warnings.simplefilter("ignore")
+fork = {"multiprocessing_context": "fork"}  # (Growing lives in this script's __main__)
 loader = {
-    "torch": lambda: tud.DataLoader(Growing(), batch_size=2, num_workers=1),
-    "spill": lambda: shmloader.DataLoader(Growing(), batch_size=2, num_workers=1, slot_bytes=4096),
+    "torch": lambda: tud.DataLoader(Growing(), batch_size=2, num_workers=1, **fork),
+    "spill": lambda: shmloader.DataLoader(Growing(), batch_size=2, num_workers=1,
+                                          slot_bytes=4096, **fork),
     "ring_full": lambda: shmloader.DataLoader(Images(24, shape=(3, 32, 32)), batch_size=2,
-                                              num_workers=1, num_slots=1, slot_bytes=1 << 16),
+                                              num_workers=1, num_slots=1, slot_bytes=1 << 16,
+                                              **fork),
 }[sys.argv[1]]()
 held, it = [], iter(loader)
 for _ in range(len(loader)):
