@@ -460,7 +460,12 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         try:
             if idle:
                 self._pool.leave_idle()
-                writers_gone = functools.partial(self._pool.reap, True)
+                # Every task answered, each its own batch: no leaving worker
+                # touches the ring again, and whoever uses it next need not
+                # wait for them.  (Else, say a task sent to a worker whose
+                # IterableDataset ran out, it may still give back its slot.)
+                if self._record.outstanding or self._fetch != "batch":
+                    writers_gone = functools.partial(self._pool.reap, True)
             else:
                 self._pool.shutdown(graceful)
         finally:  # (interrupted, the workers are gone all the same: see shutdown)

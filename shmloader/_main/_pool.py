@@ -94,6 +94,15 @@ def _exit_description(process) -> str:
     )
 
 
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def _signal_name(code) -> str:
     try:
         return signal.Signals(-code).name
@@ -161,7 +170,6 @@ def _raise_unpicklable(
 
 class WorkerPool:
     def __init__(self, ctx) -> None:
-        reap_leaving()
         self.ctx = ctx
         self.start_method = ctx.get_start_method()
         self.owner_pid = os.getpid()
@@ -181,6 +189,7 @@ class WorkerPool:
         """One worker per partial config (a dict of WorkerConfig fields but
         the connections): forked with it, or started and then sent it (see
         the NOTE), the workers of `spare` (unconfigured()'s) if given."""
+        reap_leaving()  # (here, in the training thread: spare workers start in another)
         if ctx.get_start_method() == "fork":
             pool = cls(ctx)
             pool._start_all(ctx, configs)
@@ -204,7 +213,10 @@ class WorkerPool:
         return pool
 
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self.processes)
+        """Whether every worker runs: one that died is gone at once here,
+        where under forkserver is_alive() says so only once the server has
+        reaped it and told this process."""
+        return all(p.is_alive() and _running(p.pid) for p in self.processes)
 
     def _start_all(self, ctx, configs) -> None:
         check_room_for_workers(len(configs))
@@ -384,12 +396,12 @@ class WorkerPool:
             self._end_processes()
 
     def leave_idle(self) -> None:
-        """Ask every worker to exit at its epoch's end, without waiting: a
-        worker may still give back a slot of a task it was sent and never
-        answered (its IterableDataset ran out first), so whoever reuses or
-        retires the ring waits for them first (reap(wait=True), see
-        RingHandover); until then they are reaped as they exit, by any
-        pool's start, so that an epoch's end does not wait for processes."""
+        """Ask every worker to exit at its epoch's end, without waiting: they
+        are reaped as they exit, by the next pool's start, so that an epoch's
+        end does not wait for processes.  (A worker may still give back a
+        slot of a task it was sent and never answered, its IterableDataset
+        having run out first: then whoever reuses or retires the ring waits
+        for them first, reap(wait=True), see ShmLoaderIter._shutdown_workers.)"""
         self._leaving_by = time.monotonic() + JOIN_TIMEOUT
         self._tell_exit()
         for conn in self._tasks + self._results:

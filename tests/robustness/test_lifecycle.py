@@ -22,6 +22,7 @@ import torch.utils.data as tud
 
 from shmloader import DataLoader, WorkerDied
 from shmloader._main import _torch_api
+from shmloader._main._pool import reap_leaving
 from shmloader._shm._ring import CLAIMED
 from tests.helpers import ROOT
 from tests.helpers.datasets import Dying, Failing, Images, PickleCounted, Sleepy
@@ -1053,6 +1054,7 @@ def test_workers_objects_are_pickled_once_per_iterator_not_per_worker(context):
         assert PickleCounted.pickled == epoch + 1
         del got
         loader._spare_workers._own()  # (their start, in a thread, over)
+        reap_leaving(wait=True)  # (the epoch's workers gone, not only told to go)
         fds.append(len(os.listdir("/proc/self/fd")))
     # (the ring stays the loader's, and from the second epoch on its spare workers) each
     # pickle's fds closed
