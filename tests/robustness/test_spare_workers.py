@@ -23,9 +23,10 @@ PID = -1  # WorkerTrace's pid column
 METHODS = ["fork", "spawn", "forkserver"]
 
 
-def _epochs(make, context, epochs=3, **kw):
+def _epochs(make, context, epochs=3, before_epoch=None, **kw):
     """Each epoch's samples (WorkerTrace's rows), the dataset's epoch set before
-    each iter(), as a training script's set_epoch does."""
+    each iter(), as a training script's set_epoch does; before_epoch(loader,
+    epoch), if given, runs before each iter() too."""
     dataset = WorkerTrace()
     torch.manual_seed(0)
     loader = make(
@@ -40,6 +41,8 @@ def _epochs(make, context, epochs=3, **kw):
     out = []
     for epoch in range(epochs):
         dataset.epoch = 10 + epoch
+        if before_epoch is not None:
+            before_epoch(loader, epoch)
         out.append(torch.cat(list(loader)))
     return torch.stack(out)
 
@@ -104,29 +107,19 @@ def test_spare_workers_exit_with_the_loader(context):
 def test_a_spare_worker_killed_while_it_waits_is_replaced(context):
     """A spare worker that died idle (the OOM killer, say) is no error: the next
     epoch starts fresh workers, and is torch's."""
-    theirs = _epochs(tud.DataLoader, context, epochs=3)
-    dataset = WorkerTrace()
-    torch.manual_seed(0)
-    loader = DataLoader(
-        dataset,
-        batch_size=4,
-        num_workers=2,
-        shuffle=True,
-        worker_init_fn=mark_init_fn,
-        multiprocessing_context=context,
-    )
-    epochs = []
-    for epoch in range(2):
-        dataset.epoch = 10 + epoch
-        epochs.append(torch.cat(list(loader)))
-    spare = list(loader._spare_workers._own().pids)
-    os.kill(spare[1], signal.SIGKILL)
-    assert wait_gone(spare[1:], 30)[0] == []
-    dataset.epoch = 12
-    epochs.append(torch.cat(list(loader)))
-    assert torch.equal(torch.stack(epochs)[..., :PID], theirs[..., :PID])
-    assert _worker_pids(epochs[2:]).isdisjoint(spare)
-    assert wait_gone(spare, 30)[0] == []  # the one left alive was stopped
+    killed = []
+
+    def kill_a_spare_worker(loader, epoch):
+        if epoch == 2:  # (the second epoch started the spare workers)
+            spare = list(loader._spare_workers._own().pids)
+            os.kill(spare[1], signal.SIGKILL)
+            assert wait_gone(spare[1:], 30)[0] == []
+            killed.extend(spare)
+
+    ours = _epochs(DataLoader, context, before_epoch=kill_a_spare_worker)
+    assert torch.equal(ours[..., :PID], _epochs(tud.DataLoader, context)[..., :PID])
+    assert killed and _worker_pids([ours[2]]).isdisjoint(killed)
+    assert wait_gone(killed, 30)[0] == []  # the one left alive was stopped
 
 
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
