@@ -189,7 +189,12 @@ class WorkerPool:
         """One worker per partial config (a dict of WorkerConfig fields but
         the connections): forked with it, or started and then sent it (see
         the NOTE), the workers of `spare` (unconfigured()'s) if given."""
-        reap_leaving()  # (here, in the training thread: spare workers start in another)
+        # Before new workers start, the last epoch's that have exited are reaped
+        # (here, in the training thread: spare workers start in another); those
+        # that are this process's children are waited for (they exited long
+        # ago where anything ran between epochs), else they would linger as
+        # zombies beside the new ones (forkserver's are its server's children).
+        reap_leaving(wait=ctx.get_start_method() != "forkserver")
         if ctx.get_start_method() == "fork":
             pool = cls(ctx)
             pool._start_all(ctx, configs)
