@@ -171,7 +171,6 @@ def _raise_unpicklable(
 class WorkerPool:
     def __init__(self, ctx) -> None:
         self.ctx = ctx
-        self.start_method = ctx.get_start_method()
         self.owner_pid = os.getpid()
         self.processes: list = []
         self.pids: list[int] = []

@@ -55,7 +55,11 @@ class SpareWorkers:
         pool, self._pool = self._own(), None
         if pool is None:
             return None
-        if pool.start_method == ctx.get_start_method() and len(pool.pids) == count and pool.alive():
+        if (
+            pool.ctx.get_start_method() == ctx.get_start_method()
+            and len(pool.pids) == count
+            and pool.alive()
+        ):
             return pool
         pool.shutdown()
         return None
