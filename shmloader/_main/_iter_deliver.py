@@ -42,6 +42,7 @@ class Delivery:
         self._pin_memory_device = pin_memory_device
         self._pin_device_id = pin_device_id  # the device torch's pin thread would use
         self._device_stage = device_stage
+        self._decoder = _layout.Decoder()
 
     def unpack(self, data: Any) -> tuple[Any, bytes | None]:
         """(batch, the worker's state it carries) of a batch's result."""
@@ -64,7 +65,7 @@ class Delivery:
             meta = layout.meta(lease.rows)
         else:
             meta = lease.meta()
-        batch, fallback_leaves, samples, worker_state = _layout.loads(
+        batch, fallback_leaves, samples, worker_state = self._decoder.loads(
             meta, lease, result_kind == "segment" or not self._keeper.registered
         )
         counters.fallback_leaves += fallback_leaves

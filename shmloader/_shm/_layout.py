@@ -12,10 +12,12 @@ say), they would otherwise hold a whole slot each.  Which leaves go into the
 slot is decided in _slot_rules.py (NOTE [slot rules]), where in it by the
 placer (see _arena.py); this module only knows the reference format.
 
-The metadata is two pickles: first the slot references of the batch's leaves,
-in the order the batch's pickling met them, then the batch itself, each of its
-slot leaves pickled as a call of _slot_leaf on the number of its reference, so
-that the pickle memo keeps a leaf that occurs twice one object.  The batch is
+The metadata is two lengths (of the next two parts), then two pickles: first
+the slot references of the batch's leaves, in the order the batch's pickling
+met them (with the count of fallback leaves and of samples), then the batch
+itself, each of its slot leaves pickled as a call of _slot_leaf on the number
+of its reference, so that the pickle memo keeps a leaf that occurs twice one
+object; last, the worker's state as its bytes (none: no state).  The batch is
 pickled once, its leaves collected on the way and placed after it (the placer
 sees them all, and so which of them share their bytes), so that a __reduce__ of
 the user's runs once, as under torch's transport (for a batch that fits its
@@ -32,6 +34,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import struct
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -46,6 +49,26 @@ SMALL_LEAF_BYTES = 16384
 # numpy's unpickling copies an array of up to this many bytes (it then owns its
 # data); a larger one keeps the pickle's bytes as its base.
 NUMPY_OWNS_UP_TO = 1000
+# The lengths of the metadata's two pickles, at its start.
+_LENGTHS = struct.Struct("<II")
+# DLPack's (type code, bits) of the dtypes every supported torch takes from a
+# capsule (kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4, kDLComplex 5, kDLBool 6);
+# leaves of other dtypes are made by torch.frombuffer and Tensor.set_.
+_DLPACK_TYPES = {
+    torch.bool: (6, 8),
+    torch.uint8: (1, 8),
+    torch.int8: (0, 8),
+    torch.int16: (0, 16),
+    torch.int32: (0, 32),
+    torch.int64: (0, 64),
+    torch.float16: (2, 16),
+    torch.bfloat16: (4, 16),
+    torch.float32: (2, 32),
+    torch.float64: (2, 64),
+    torch.complex64: (5, 64),
+    torch.complex128: (5, 128),
+}
+_from_dlpack = torch._C._from_dlpack
 
 
 def tensor_ref(
@@ -103,12 +126,10 @@ class _RefPickler(ForkingPickler):
 
 
 def _with_refs(
-    refs, fallback_leaves: int, samples: int, worker_state, batch_pickle: bytes
+    refs, fallback_leaves: int, samples: int, worker_state: bytes | None, batch_pickle: bytes
 ) -> bytes:
-    return (
-        pickle.dumps((refs, fallback_leaves, samples, worker_state), pickle.HIGHEST_PROTOCOL)
-        + batch_pickle
-    )
+    head = pickle.dumps((refs, fallback_leaves, samples), pickle.HIGHEST_PROTOCOL)
+    return _LENGTHS.pack(len(head), len(batch_pickle)) + head + batch_pickle + (worker_state or b"")
 
 
 def dumps(batch, place_all, samples: int, worker_state: bytes | None = None) -> bytes:
@@ -216,18 +237,23 @@ class _LeafMaker:
     (torch.frombuffer checks the span, Tensor.set_ the shape and strides over
     it; numpy's own extent check can overflow, so it is done here.)"""
 
-    __slots__ = ("_buffer", "_copy_small", "refs", "_storages")
+    __slots__ = ("_buffer", "_copy_small", "refs", "made", "_storages")
 
-    def __init__(self, slot_buffer, copy_small):
+    def __init__(self, slot_buffer, copy_small, refs):
         self._buffer = slot_buffer
         self._copy_small = copy_small
-        self.refs = ()  # the metadata's references, once its first pickle is read
+        self.refs = refs  # the metadata's references
+        self.made = {}  # id(leaf) -> its reference's number
         self._storages = None  # (byte offset, size) -> the storage leaves share there
 
     def __call__(self, number):
         if type(number) is not int or not 0 <= number < len(self.refs):
             raise pickle.UnpicklingError(f"slot reference number {number!r} is not in the metadata")
-        ref = self.refs[number]
+        leaf = self._make(self.refs[number])
+        self.made[id(leaf)] = number
+        return leaf
+
+    def _make(self, ref):
         if type(ref) is not tuple or not ref:
             raise pickle.UnpicklingError(f"slot reference {ref!r} is not a reference")
         kind = ref[0]
@@ -252,16 +278,9 @@ class _LeafMaker:
                     shape,
                     stride,
                 )
-            elif self._copy_small and count * dtype.itemsize <= SMALL_LEAF_BYTES:
-                # Over a bytearray: a storage that cannot be resized, as a view's
-                # (and torch's shared memory) cannot.
-                tensor = torch.frombuffer(bytearray(count * dtype.itemsize), dtype=dtype)
-                self._buffer.copy_to(offset, tensor.data_ptr(), count * dtype.itemsize)
-                tensor.set_(tensor.untyped_storage(), 0, shape, stride)
-            else:
-                # A storage of exactly this leaf's bytes (torch.save and
-                # pickling of one leaf then carry that leaf only), holding the
-                # slot's lease until it dies.
+            elif dtype in _DLPACK_TYPES:
+                tensor = _from_dlpack(self._buffer.leaf_capsule(*leaf_spec(ref, self._copy_small)))
+            else:  # (a copy would be made as a view is: it is never smaller than a page)
                 tensor = torch.frombuffer(self._buffer, dtype=dtype, count=count, offset=offset)
                 tensor.set_(tensor.untyped_storage(), 0, shape, stride)
             return tensor.requires_grad_() if requires_grad else tensor
@@ -341,19 +360,141 @@ def _inside(offset, shape, strides, itemsize, size) -> bool:
     return 0 <= low and high <= size
 
 
+def leaf_spec(ref, copy_small: bool) -> tuple:
+    """SlotMemory.leaf_capsule's arguments for a tensor reference of a
+    DLPack dtype, with neither a storage shared with other leaves nor zero
+    elements: a storage of exactly this leaf's bytes (torch.save and pickling
+    of one leaf then carry that leaf only), which cannot be resized, as a
+    view's (and torch's shared memory) cannot; a view holds the slot's lease
+    until it dies, and a small leaf (copy_small) is a copy of its bytes."""
+    _, offset, dtype, shape, stride, count, _, _ = ref
+    if (
+        len(stride) != len(shape)
+        or not all(type(n) is int and n >= 0 for n in (*shape, *stride))
+        or span_elements(shape, stride) > count
+    ):
+        raise pickle.UnpicklingError(f"slot reference {ref!r} does not fit its bytes")
+    nbytes = count * dtype.itemsize
+    code, bits = _DLPACK_TYPES[dtype]
+    return offset, nbytes, code, bits, shape, stride, copy_small and nbytes <= SMALL_LEAF_BYTES
+
+
+# What a batch's structure may be built of without its pickle (see Decoder).
+_ATOMS = frozenset({int, float, complex, bool, str, bytes, type(None)})
+_LEAF = object()
+
+
+def _plan(obj, made: dict, containers: set):
+    """How to build `obj` again from new leaves: (_LEAF, number), (an atom's
+    type, the atom), (tuple or list, [plans]) or (dict, [(key, plan)]); None
+    where it cannot be (any other type, or a container met twice, which the
+    pickle keeps one object)."""
+    number = made.get(id(obj))
+    if number is not None:
+        return _LEAF, number
+    kind = type(obj)
+    if kind in _ATOMS:
+        return kind, obj
+    if kind not in (tuple, list, dict) or id(obj) in containers:
+        return None
+    containers.add(id(obj))
+    if kind is dict:
+        items = [(key, _plan(value, made, containers)) for key, value in obj.items()]
+        if all(type(key) in _ATOMS and plan is not None for key, plan in items):
+            return dict, items
+        return None
+    parts = [_plan(part, made, containers) for part in obj]
+    return (kind, parts) if None not in parts else None
+
+
+def _build(plan, leaves):
+    kind, arg = plan
+    if kind is _LEAF:
+        return leaves[arg]
+    if kind is dict:
+        return {key: _build(part, leaves) for key, part in arg}
+    if kind is tuple or kind is list:
+        return kind([_build(part, leaves) for part in arg])
+    return arg  # an atom
+
+
+class Decoder:
+    """Batches back from their metadata, for one consumer.
+
+    NOTE [layout: one batch's decoding]
+    On the training thread, decoding a batch costs mostly what it touches
+    for the first time since the last step (the model's step evicts the
+    caches): each torch call, each pickle, each Python function.  So (a) a
+    tensor leaf is made by one torch call, torch._C._from_dlpack over a
+    capsule of the slot's bytes (SlotMemory.leaf_capsule), instead of
+    torch.frombuffer and Tensor.set_; and (b) a consumer's batches repeat
+    one structure, so the decoder keeps the last one's: where a batch's
+    metadata starts with the same bytes (lengths, references, the batch's
+    pickle), its references were checked already and its containers are
+    built again from a plan, without unpickling anything.  Only plain
+    tuples, lists and dicts of tensor leaves of DLPack dtypes and of atoms
+    have a plan; any other batch is unpickled every time."""
+
+    __slots__ = ("_known", "_copy_small", "_specs", "_plan", "_counts")
+
+    def __init__(self) -> None:
+        self._known = None  # the last structure's bytes, where it has a plan
+
+    def loads(self, meta: bytes, slot_buffer, copy_small: bool = True):
+        """Rebuild a batch from its metadata, its leaves viewing `slot_buffer`
+        (small ones copied out of it, unless not copy_small: a pinned ring's
+        views are pinned memory).  Returns (batch, number of leaves that came
+        through torch's pickling, samples in the batch, the worker's state or
+        None)."""
+        known = self._known
+        if known is not None and copy_small == self._copy_small and meta.startswith(known):
+            leaves = [_from_dlpack(slot_buffer.leaf_capsule(*spec)) for spec in self._specs]
+            return (_build(self._plan, leaves), *self._counts, meta[len(known) :] or None)
+        if len(meta) < _LENGTHS.size:
+            raise pickle.UnpicklingError(f"slot metadata of {len(meta)} bytes has no lengths")
+        head_bytes, batch_bytes = _LENGTHS.unpack_from(meta)
+        end = _LENGTHS.size + head_bytes + batch_bytes
+        if end > len(meta):
+            raise pickle.UnpicklingError(
+                f"slot metadata of {len(meta)} bytes is shorter than its parts ({end} bytes)"
+            )
+        view = memoryview(meta)
+        # The references need no hook: the C unpickler reads them, dtypes included.
+        head = pickle.loads(view[_LENGTHS.size : _LENGTHS.size + head_bytes])
+        if type(head) is not tuple or len(head) != 3 or type(head[0]) is not list:
+            raise pickle.UnpicklingError("slot metadata without its list of slot references")
+        refs, fallback_leaves, samples = head
+        make_leaf = _LeafMaker(slot_buffer, copy_small, refs)
+        # An unpickler of its own: the batch's pickle numbers its memo from 0.
+        batch = _RefUnpickler(io.BytesIO(view[end - batch_bytes : end]), make_leaf).load()
+        self._remember(meta[:end], refs, make_leaf, batch, copy_small, (fallback_leaves, samples))
+        return batch, fallback_leaves, samples, meta[end:] or None
+
+    def _remember(self, known, refs, make_leaf, batch, copy_small, counts) -> None:
+        """Keep this batch's structure, where it has a plan (see the NOTE)."""
+        self._known = None
+        if len(make_leaf.made) != len(refs) or not all(
+            type(ref) is tuple
+            and len(ref) == 8
+            and ref[0] == TENSOR
+            and ref[2] in _DLPACK_TYPES
+            and ref[5] > 0
+            and ref[6] is False
+            and ref[7] is None
+            for ref in refs
+        ):
+            return
+        plan = _plan(batch, make_leaf.made, set())
+        if plan is not None:
+            self._specs = [leaf_spec(ref, copy_small) for ref in refs]
+            self._known, self._copy_small, self._plan, self._counts = (
+                known,
+                copy_small,
+                plan,
+                counts,
+            )
+
+
 def loads(meta: bytes, slot_buffer, copy_small: bool = True):
-    """Rebuild a batch from its metadata, its leaves viewing `slot_buffer`
-    (small ones copied out of it, unless not copy_small: a pinned ring's
-    views are pinned memory).  Returns (batch, number of leaves that came
-    through torch's pickling, samples in the batch, the worker's state or
-    None)."""
-    file = io.BytesIO(meta)
-    # The references need no hook: the C unpickler reads them, dtypes included.
-    refs, fallback_leaves, samples, worker_state = pickle.load(file)
-    if type(refs) is not list:
-        raise pickle.UnpicklingError("slot metadata without its list of slot references")
-    make_leaf = _LeafMaker(slot_buffer, copy_small)
-    make_leaf.refs = refs
-    # An unpickler of its own: the batch's pickle numbers its memo from 0.
-    batch = _RefUnpickler(file, make_leaf).load()
-    return batch, fallback_leaves, samples, worker_state
+    """One batch's Decoder.loads()."""
+    return Decoder().loads(meta, slot_buffer, copy_small)

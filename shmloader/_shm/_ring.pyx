@@ -17,9 +17,12 @@ from cpython.buffer cimport PyBUF_WRITABLE
 from cpython.exc cimport PyErr_CheckSignals
 from libc.errno cimport EAGAIN, EINTR, ESTALE, ETIMEDOUT
 from libc.limits cimport INT_MAX
-from libc.stdint cimport uint32_t, uint64_t
+from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_New
+from cpython.ref cimport Py_DECREF, Py_INCREF
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
+from posix.stdlib cimport posix_memalign
 from posix.types cimport pid_t
 from posix.unistd cimport getpid
 
@@ -396,14 +399,53 @@ cdef class SlotMemory:
                 f"of {self._size} bytes")
         return self._data[offset:offset + length]
 
-    def copy_to(self, uint64_t offset, uint64_t dst, uint64_t length):
-        """Copy [offset, offset + length) to address `dst` (a fresh CPU
-        tensor's data_ptr()), bounds-checked on the slot's side."""
-        if offset > <uint64_t>self._size or length > <uint64_t>self._size - offset:
+    def leaf_capsule(self, uint64_t offset, uint64_t nbytes, uint8_t code, uint8_t bits,
+                     tuple shape, tuple stride, bint copy):
+        """A DLPack capsule of the leaf whose bytes are [offset, offset +
+        nbytes) of this slot, of `shape` and `stride` (in elements; the
+        caller checks they stay within those bytes): a view that keeps this
+        object alive, or (copy) over a private, 64-byte aligned copy of the
+        bytes, as torch's allocator aligns.  Bounds-checked on the slot's side."""
+        if offset > <uint64_t>self._size or nbytes > <uint64_t>self._size - offset:
             raise ValueError(
-                f"range [{offset}, {offset}+{length}) lies outside slot {self.slot} "
+                f"range [{offset}, {offset}+{nbytes}) lies outside slot {self.slot} "
                 f"of {self._size} bytes")
-        memcpy(<void *>dst, self._data + offset, length)
+        cdef Py_ssize_t i, ndim = len(shape)
+        if len(stride) != ndim:
+            raise ValueError(f"shape {shape} and stride {stride} differ in length")
+        cdef size_t head = sizeof(DLManagedTensor) + 2 * ndim * sizeof(int64_t)
+        head = (head + 63) & ~(<size_t>63)
+        cdef void *block = NULL
+        if posix_memalign(&block, 64, head + (nbytes if copy else 0)) != 0:
+            raise MemoryError()
+        cdef DLManagedTensor *m = <DLManagedTensor *>block
+        m.manager_ctx = NULL
+        m.deleter = _dl_delete
+        m.dl_tensor.shape = <int64_t *>(<char *>block + sizeof(DLManagedTensor))
+        m.dl_tensor.strides = m.dl_tensor.shape + ndim
+        try:
+            for i in range(ndim):
+                m.dl_tensor.shape[i] = shape[i]
+                m.dl_tensor.strides[i] = stride[i]
+            capsule = PyCapsule_New(block, b"dltensor", _dl_capsule_gone)
+        except BaseException:
+            free(block)
+            raise
+        m.dl_tensor.device.device_type = 1
+        m.dl_tensor.device.device_id = 0
+        m.dl_tensor.ndim = <int32_t>ndim
+        m.dl_tensor.dtype.code = code
+        m.dl_tensor.dtype.bits = bits
+        m.dl_tensor.dtype.lanes = 1
+        m.dl_tensor.byte_offset = 0
+        if copy:
+            m.dl_tensor.data = <char *>block + head
+            memcpy(m.dl_tensor.data, self._data + offset, nbytes)
+        else:
+            m.dl_tensor.data = self._data + offset
+            Py_INCREF(self)
+            m.manager_ctx = <void *>self
+        return capsule
 
     def write(self, uint64_t offset, const unsigned char[::1] data):
         """Copy `data` to `offset`, bounds-checked."""
@@ -416,10 +458,58 @@ cdef class SlotMemory:
             memcpy(self._data + offset, &data[0], n)
 
 
+# ---- DLPack: a leaf handed to torch in one call ------------------------------
+# dlpack.h's ABI (unchanged since DLPack 0.5): the structs a "dltensor"
+# capsule points to.  torch._C._from_dlpack makes a tensor of it in one call,
+# where torch.frombuffer and Tensor.set_ take two (see _layout.py's NOTE
+# [layout: one batch's decoding]); torch renames the capsule it takes and
+# calls the deleter when the tensor's storage dies.
+
+cdef extern from "Python.h":
+    int Py_IsInitialized() nogil
+
+ctypedef struct DLDevice:
+    int32_t device_type  # 1: kDLCPU
+    int32_t device_id
+
+ctypedef struct DLDataType:
+    uint8_t code
+    uint8_t bits
+    uint16_t lanes
+
+ctypedef struct DLTensor:
+    void *data
+    DLDevice device
+    int32_t ndim
+    DLDataType dtype
+    int64_t *shape
+    int64_t *strides
+    uint64_t byte_offset
+
+ctypedef struct DLManagedTensor:
+    DLTensor dl_tensor
+    void *manager_ctx  # the SlotMemory a view keeps alive, or NULL for a copy
+    void (*deleter)(DLManagedTensor *) noexcept nogil
+
+
+cdef void _dl_delete(DLManagedTensor *m) noexcept nogil:
+    # (A tensor may die after the interpreter: its slot is then gone too.)
+    if m.manager_ctx != NULL and Py_IsInitialized():
+        with gil:
+            Py_DECREF(<object>m.manager_ctx)
+    free(m)
+
+
+cdef void _dl_capsule_gone(object capsule) noexcept:
+    # Only a capsule torch never took still has its name.
+    if PyCapsule_IsValid(capsule, b"dltensor"):
+        _dl_delete(<DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor"))
+
+
 @cython.no_gc_clear
 cdef class SlotLease(SlotMemory):
     """A READY slot taken by the consumer.  Tensors built on it (through
-    torch.frombuffer or numpy) hold it alive; when the last one dies, the slot
+    leaf_capsule, torch.frombuffer or numpy) hold it alive; when the last one dies, the slot
     goes back to the ring.  release() is idempotent.
 
     Only the process that acquired the slot gives it back: a forked child
