@@ -120,15 +120,17 @@ class Receiver:
         reading messages (to include those published before them) may hold
         one published after a message not read yet, which then overtakes it.
         (So a resume's replay knows batches by their task numbers, not their
-        order: see ShmLoaderIter._resume_epoch.  in_order=True puts results
-        in task order anyway: there the pipes are read as the sleep found
-        them, sparing a poll() per batch.)"""
+        order: see ShmLoaderIter._resume_epoch.)  in_order=True puts results
+        in task order anyway: there the pipes are read only when no slot is
+        ready, as the sleep finds them, sparing a poll() per batch; a
+        message a slot overtook is read once its task is the one waited
+        for, as no slot is ready then for long (no task is sent meanwhile)."""
         ring = self._keeper.ring
         leases = self._acquire_all()
         fired: list[Any] | None
         if ring is not None and leases:
-            # Only a look at the pipes (one poll()), no sleep.
-            fired = ring.wait(0, self._pool.wait_fds) or []
+            # At most a look at the pipes (one poll()), no sleep.
+            fired = [] if self._in_order else ring.wait(0, self._pool.wait_fds) or []
         else:
             timeout = self._timeout if self._timeout > 0 else None
             started = time.perf_counter()

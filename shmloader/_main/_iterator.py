@@ -48,13 +48,15 @@ from torch.utils.data.dataloader import (
 from .._errors import WorkerDied
 from .._worker._protocol import Probe, ResumeWorker, Rows, Task
 from .._worker._seeding import countable
-from . import _torch_api
+from . import _fork, _torch_api
 from ._iter_parts import build_parts
 from ._iter_receive import discard, kind
 from ._warn import init_as_torch
 
 # What _process_data returns for a batch fetched again after a resume and dropped.
 _REPLAYED = object()
+# Asked once a batch, as torch's __next__ asks it.
+_profiler_enabled = torch.autograd._profiler_enabled
 
 
 class ShmLoaderIter(_BaseDataLoaderIter):
@@ -109,7 +111,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         # map-style dataset's iterator that has begun skips it (torch's first
         # _reset stays torch's; an IterableDataset's iterator is the subclass
         # below).
-        if self._sampler_iter is None or torch.autograd._profiler_enabled():
+        if self._sampler_iter is None or _profiler_enabled():
             return super().__next__()
         data = self._next_data()
         self._num_yielded += 1
@@ -306,9 +308,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     # ---- results --------------------------------------------------------------
 
     def _next_data(self):
-        if self._deferred_warnings:
+        if self._deferred_warnings.errors:
             self._deferred_warnings.raise_first()
-        if self._owner_pid != os.getpid():
+        if self._owner_pid != _fork.pid:
             raise RuntimeError(
                 "this DataLoader iterator was made by the process this one was forked from, "
                 "whose workers and ring it uses; iterate the loader again here (iter(loader)) "
@@ -364,7 +366,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                     return self._yield_task(idx)
             idx = record.next_in_line()
             if idx is None:
-                if self._deferred_warnings:  # instead of StopIteration (raised next time)
+                if self._deferred_warnings.errors:  # instead of StopIteration (raised next time)
                     self._deferred_warnings.raise_first()
                 self._epochs.progress.epoch_ended()
                 if not self._persistent_workers:

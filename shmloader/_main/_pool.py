@@ -485,7 +485,8 @@ def send_bytes(conn, data: bytes) -> None:
     if len(data) > _ONE_WRITE_BYTES:
         conn.send_bytes(data)
         return
-    frame = memoryview(_FRAME_HEADER.pack(len(data)) + data)
+    frame = _FRAME_HEADER.pack(len(data)) + data
     fd = conn.fileno()
-    while frame:  # a signal may cut a write short
-        frame = frame[os.write(fd, frame) :]
+    written = os.write(fd, frame)
+    while written < len(frame):  # a signal may cut a write short
+        written += os.write(fd, memoryview(frame)[written:])

@@ -149,7 +149,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         return {"dataset": own_state_copy(self._stateful, "the dataset's")}
 
     def _next_data(self):
-        if self._deferred_warnings:
+        if self._deferred_warnings.errors:
             self._deferred_warnings.raise_first()
         if self._replay:
             # A state without the epoch's starting RNGs: the replay's draws

@@ -100,10 +100,8 @@ class DeferredWarnings:
 
     def __init__(self, counters: Counters) -> None:
         self.counters = counters  # the loader's: its once-only flags
-        self._errors: list[tuple[Warning, str | None]] = []  # (error, its flag)
-
-    def __bool__(self) -> bool:
-        return bool(self._errors)
+        # (error, its flag); next() looks at it before each batch
+        self.errors: list[tuple[Warning, str | None]] = []
 
     def warn(self, message: str, flag: str | None = None) -> None:
         try:
@@ -112,13 +110,13 @@ class DeferredWarnings:
             # Without its traceback, whose frames hold the iterator: kept, it
             # would make a cycle that only the garbage collector ends, and an
             # iterator left with it unraised (a break) would keep its workers.
-            self._errors.append((error.with_traceback(None), flag))
+            self.errors.append((error.with_traceback(None), flag))
 
     def raise_first(self) -> None:
-        raise self._errors.pop(0)[0]
+        raise self.errors.pop(0)[0]
 
     def forget(self) -> None:
-        for _, flag in self._errors:
+        for _, flag in self.errors:
             if flag is not None:
                 setattr(self.counters, flag, False)
-        self._errors = []
+        self.errors = []

@@ -31,11 +31,14 @@ slot).  Reference tuples (made by tensor_ref and array_ref):
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import pickle
 import struct
+from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import numpy as np
 import torch
@@ -407,6 +410,15 @@ def _plan(obj, made: dict, containers: set):
     return (kind, parts) if None not in parts else None
 
 
+def _builder(plan) -> Callable[[list], Any]:
+    """A function of the new leaves that builds the batch: tuple or list
+    itself where the batch is one of its leaves in order, as most are."""
+    kind, parts = plan
+    if kind in (tuple, list) and parts == [(_LEAF, i) for i in range(len(parts))]:
+        return kind
+    return functools.partial(_build, plan)
+
+
 def _build(plan, leaves):
     kind, arg = plan
     if kind is _LEAF:
@@ -435,7 +447,7 @@ class Decoder:
     tuples, lists and dicts of tensor leaves of DLPack dtypes and of atoms
     have a plan; any other batch is unpickled every time."""
 
-    __slots__ = ("_known", "_copy_small", "_specs", "_plan", "_counts")
+    __slots__ = ("_known", "_copy_small", "_specs", "_make_batch", "_counts")
 
     def __init__(self) -> None:
         self._known = None  # the last structure's bytes, where it has a plan
@@ -449,7 +461,7 @@ class Decoder:
         known = self._known
         if known is not None and copy_small == self._copy_small and meta.startswith(known):
             leaves = [_from_dlpack(slot_buffer.leaf_capsule(*spec)) for spec in self._specs]
-            return (_build(self._plan, leaves), *self._counts, meta[len(known) :] or None)
+            return (self._make_batch(leaves), *self._counts, meta[len(known) :] or None)
         if len(meta) < _LENGTHS.size:
             raise pickle.UnpicklingError(f"slot metadata of {len(meta)} bytes has no lengths")
         head_bytes, batch_bytes = _LENGTHS.unpack_from(meta)
@@ -487,12 +499,8 @@ class Decoder:
         plan = _plan(batch, make_leaf.made, set())
         if plan is not None:
             self._specs = [leaf_spec(ref, copy_small) for ref in refs]
-            self._known, self._copy_small, self._plan, self._counts = (
-                known,
-                copy_small,
-                plan,
-                counts,
-            )
+            self._make_batch = _builder(plan)
+            self._known, self._copy_small, self._counts = known, copy_small, counts
 
 
 def loads(meta: bytes, slot_buffer, copy_small: bool = True):
