@@ -1,17 +1,30 @@
-"""shmloader's own forkserver: workers started with the forkserver method
-fork from a server that has imported torch and the worker's code already.
+"""shmloader's own forkservers: workers started with the forkserver or the
+spawn method fork from a server that has imported torch and the worker's
+code already.
 
 Python's forkserver imports only its preload list (by default the user's
-__main__), so each worker imports torch afresh: about a second of CPU per
-worker, at every epoch of a non-persistent loader.  A server of shmloader's
-own preloads what the user's would, plus torch and shmloader's worker loop,
-and is started once per process, on first use.  The user's multiprocessing
-settings are only read, never changed: their forkserver (the global one, its
-preload list) and their start method are as they left them.
+__main__), and spawn imports everything afresh, so each worker imports
+torch afresh: about a second of CPU per worker, at every epoch of a
+non-persistent loader.  A server of shmloader's is a fresh interpreter
+started once per process and start method, on first use, that imports
+torch and shmloader's worker loop:
+- for forkserver, it also preloads what the user's forkserver would (their
+  list as it is then): its workers are what Python's would be, torch
+  imported;
+- for spawn, it preloads nothing of the user's (not their __main__): each
+  worker prepares itself as a spawned one does (sys.path, the working
+  directory, the user's main module imported afresh as __mp_main__) after
+  it forks, so what a spawned worker runs at its start runs in each.  What
+  it shares with its server is what importing torch made, in a process
+  that never ran anything of the user's (no CUDA, no threads of theirs).
+The user's multiprocessing settings are only read, never changed: their
+forkserver (the global one, its preload list) and their start method are as
+they left them.  Workers are the server's children, not this process's.
 
 Popen._launch below is Python's popen_forkserver.Popen._launch, the same in
 Python 3.10 to 3.13, with its server made this module's.  Where the installed
-Python's differs (_SAME_LAUNCH), workers start through Python's own server.
+Python's differs (_SAME_LAUNCH), workers start through Python's own
+forkserver or spawn.
 """
 
 from __future__ import annotations
@@ -51,24 +64,33 @@ _SAME_LAUNCH = popen_forkserver.Popen._launch.__code__.co_names == (  # type: ig
 )
 
 _lock = threading.Lock()
-_server: forkserver.ForkServer | None = None
-_server_pid: int | None = None  # the process that owns _server (not a forked copy)
+_servers: dict[str, forkserver.ForkServer] = {}  # start method -> its server
+_servers_pid: int | None = None  # the process that owns _servers (not a forked copy)
 
 
-def own_server() -> forkserver.ForkServer:
-    """This process's server, made on first use with the user's preload list
-    as it is now, plus shmloader's."""
-    global _server, _server_pid
+def own_server(method: str = "forkserver") -> forkserver.ForkServer:
+    """This process's server for workers of start method `method`, made on
+    first use (see the module's docstring for what it preloads)."""
+    global _servers_pid
     with _lock:
-        if _server is None or _server_pid != os.getpid():
-            users = getattr(forkserver._forkserver, "_preload_modules", ["__main__"])
-            _server = forkserver.ForkServer()
-            _server.set_forkserver_preload([*users, *(m for m in _PRELOAD if m not in users)])
-            _server_pid = os.getpid()
-        return _server
+        if _servers_pid != os.getpid():
+            _servers.clear()
+            _servers_pid = os.getpid()
+        server = _servers.get(method)
+        if server is None:
+            users = (
+                getattr(forkserver._forkserver, "_preload_modules", ["__main__"])
+                if method == "forkserver"
+                else []
+            )
+            server = _servers[method] = forkserver.ForkServer()
+            server.set_forkserver_preload([*users, *(m for m in _PRELOAD if m not in users)])
+        return server
 
 
 class _Popen(popen_forkserver.Popen):
+    method = "forkserver"  # whose server the worker forks from
+
     def _launch(self, process_obj):
         prep_data = spawn.get_preparation_data(process_obj._name)
         buf = io.BytesIO()
@@ -79,7 +101,7 @@ class _Popen(popen_forkserver.Popen):
         finally:
             context.set_spawning_popen(None)
 
-        self.sentinel, w = own_server().connect_to_new_process(self._fds)
+        self.sentinel, w = own_server(self.method).connect_to_new_process(self._fds)
         # Keep a duplicate of the data pipe's write end as a sentinel of the
         # parent process used by the child process.
         _parent_w = os.dup(w)
@@ -87,6 +109,10 @@ class _Popen(popen_forkserver.Popen):
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
         self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _SpawnPopen(_Popen):
+    method = "spawn"
 
 
 class _Process(process.BaseProcess):
@@ -97,16 +123,34 @@ class _Process(process.BaseProcess):
         return _Popen(process_obj)
 
 
+class _SpawnProcess(process.BaseProcess):
+    _start_method = "spawn"
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _SpawnPopen(process_obj)
+
+
 class _Context(context.ForkServerContext):
     Process = _Process  # type: ignore[assignment]
 
 
-_CONTEXT = _Context()
+class _SpawnContext(context.SpawnContext):
+    Process = _SpawnProcess  # type: ignore[assignment]
+
+
+_CONTEXTS = {"forkserver": _Context(), "spawn": _SpawnContext()}
 
 
 def for_workers(ctx):
-    """The context to start a loader's workers with: shmloader's forkserver
-    where `ctx` starts processes with a forkserver, else `ctx` itself."""
-    if _SAME_LAUNCH and ctx.get_start_method() == "forkserver":
-        return _CONTEXT
+    """The context to start a loader's workers with: shmloader's server's
+    where `ctx` starts processes with a forkserver or spawn, else `ctx`."""
+    if _SAME_LAUNCH:
+        return _CONTEXTS.get(ctx.get_start_method(), ctx)
     return ctx
+
+
+def children_of_a_server(ctx) -> bool:
+    """Whether the workers `ctx` starts are a server's children, not this
+    process's (which must reap them)."""
+    return ctx.get_start_method() == "forkserver" or isinstance(ctx, _SpawnContext)

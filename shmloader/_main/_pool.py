@@ -39,6 +39,7 @@ from .._worker._protocol import (
 )
 from .._worker._shared_objects import SharedObjects
 from . import _torch_api
+from ._forkserver import children_of_a_server
 from ._open_files import check_room_for_workers, too_many_open_files
 from ._warn import warn_as_torch_worker_start
 
@@ -192,8 +193,8 @@ class WorkerPool:
         # (here, in the training thread: spare workers start in another); those
         # that are this process's children are waited for (they exited long
         # ago where anything ran between epochs), else they would linger as
-        # zombies beside the new ones (forkserver's are its server's children).
-        reap_leaving(wait=ctx.get_start_method() != "forkserver")
+        # zombies beside the new ones (a server's are its own: _forkserver.py).
+        reap_leaving(wait=not children_of_a_server(ctx))
         if ctx.get_start_method() == "fork":
             pool = cls(ctx)
             pool._start_all(ctx, configs)

@@ -86,14 +86,14 @@ def start_helpers(ctx):
     if ctx in ("spawn", "forkserver"):
         from multiprocessing import resource_tracker
 
+        from shmloader._main import _forkserver
+
         resource_tracker.ensure_running()
+        _forkserver.own_server(ctx).ensure_running()  # the one its workers fork from
     if ctx == "forkserver":
         from multiprocessing import forkserver
 
-        from shmloader._main import _forkserver
-
         forkserver.ensure_running()
-        _forkserver.own_server().ensure_running()  # the one its workers fork from
 
 
 # ---- the main process ends ----------------------------------------------------

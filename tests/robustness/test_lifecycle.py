@@ -1072,9 +1072,9 @@ OWN_FORKSERVER_SCRIPT = textwrap.dedent("""
     loader = DataLoader(ParentPid(8), batch_size=4, num_workers=2,
                         multiprocessing_context="forkserver", persistent_workers=True)
     parents = {int(p) for batch in loader for p in batch}
-    server = _forkserver._server._forkserver_pid
+    server = _forkserver.own_server()._forkserver_pid
     assert parents == {server}, (parents, server)
-    assert _forkserver._server._preload_modules == [
+    assert _forkserver.own_server()._preload_modules == [
         "__main__", "json", "torch", "shmloader._worker._loop"]
     # The user's settings: as they left them; their forkserver never started.
     assert forkserver._forkserver._preload_modules == ["__main__", "json"]
@@ -1111,4 +1111,76 @@ def test_forkserver_workers_fork_from_shmloaders_server_which_has_torch():
         proc.kill()
         proc.wait()
     left = wait_gone(pids, HANG)[0]
+    assert left == [], describe_stuck(left)
+
+
+SPAWN_SERVER_SCRIPT = textwrap.dedent("""
+    import multiprocessing, os, sys
+    import torch
+    with open(os.environ["MARKS"], "a") as f:  # the main module's imports: where, as what
+        f.write(f"{os.getpid()} {__name__}\\n")
+
+    class Where(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+        def __getitem__(self, i):
+            return torch.tensor([os.getpid(), os.getppid()])
+
+    if __name__ == "__main__":
+        import torch.utils.data as tud
+        from shmloader import DataLoader
+        from shmloader._main import _forkserver
+        method = multiprocessing.get_start_method(allow_none=True)
+        for cls in (tud.DataLoader, DataLoader):
+            loader = cls(Where(), batch_size=4, num_workers=2, multiprocessing_context="spawn",
+                         persistent_workers=True)
+            rows = [r for batch in loader for r in batch.tolist()]
+            print(*sorted({pid for pid, _ in rows}), "parents",
+                  *sorted({parent for _, parent in rows}), flush=True)
+        server = _forkserver.own_server("spawn")
+        assert server._preload_modules == ["torch", "shmloader._worker._loop"]
+        with open(f"/proc/{server._forkserver_pid}/maps") as f:
+            assert "libtorch" in f.read()  # imported once, in the server
+        # (As it was, or the platform's default where it was unset: torch's loader sets that too.)
+        default = multiprocessing.get_all_start_methods()[0]
+        assert multiprocessing.get_start_method(allow_none=True) in (method, method or default)
+        print(server._forkserver_pid, *loader._iterator._pool.pids, flush=True)
+        sys.stdin.read()  # until killed
+""")
+
+
+def test_spawn_workers_fork_from_a_clean_server_and_start_as_spawned_ones(tmp_path):
+    """Issue 38: under spawn, workers fork from a server of shmloader's that imported
+    torch and the worker loop once, and nothing of the user's; each then prepares
+    itself as torch's spawned workers do, importing the user's main module afresh as
+    __mp_main__; after a SIGKILL of the main process the server and workers are gone."""
+    script, marks = tmp_path / "train.py", tmp_path / "marks"
+    script.write_text(SPAWN_SERVER_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        env={**os.environ, "MARKS": str(marks), "PYTHONPATH": str(ROOT)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = [proc.stdout.readline().split() for _ in range(3)]
+        assert all(lines), proc.stderr.read()
+        torchs, ours, pids = lines
+        server, workers = int(pids[0]), [int(p) for p in pids[1:]]
+        assert ours[ours.index("parents") + 1 :] == [str(server)]
+        assert {int(p) for p in ours[: ours.index("parents")]} == set(workers)
+        assert torchs[torchs.index("parents") + 1 :] == [str(proc.pid)]
+        imported = [line.split() for line in marks.read_text().splitlines()]
+        assert imported[0] == [str(proc.pid), "__main__"]
+        # Once as __mp_main__ in each worker, torch's and shmloader's; never in the server.
+        worker_pids = torchs[: torchs.index("parents")] + ours[: ours.index("parents")]
+        assert sorted(imported[1:]) == sorted([pid, "__mp_main__"] for pid in worker_pids)
+        assert all(alive(p) for p in [server, *workers])
+    finally:
+        proc.kill()
+        proc.wait()
+    left = wait_gone([server, *workers], HANG)[0]
     assert left == [], describe_stuck(left)
