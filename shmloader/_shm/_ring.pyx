@@ -24,7 +24,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 from posix.stdlib cimport posix_memalign
 from posix.types cimport pid_t
-from posix.unistd cimport getpid
+from posix.unistd cimport getpid as _getpid
 
 FREE = SHMRING_FREE
 CLAIMED = SHMRING_CLAIMED
@@ -33,6 +33,28 @@ READING = SHMRING_READING
 MAX_SLOTS = SHMRING_MAX_SLOTS
 MAX_WORKERS = SHMRING_MAX_WORKERS
 WORKER_COUNTERS = SHMRING_WORKER_COUNTERS
+
+
+cdef extern from "<pthread.h>":
+    int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
+                       void (*child)() noexcept nogil)
+
+# This process's pid, kept by a fork handler: getpid() is a system call, and
+# a lease asks whether it is this process's as it is acquired and as it dies,
+# once a batch each.  (Every fork that can run Python runs the handlers.)
+cdef pid_t _pid = _getpid()
+
+
+cdef void _after_fork_in_child() noexcept nogil:
+    global _pid
+    _pid = _getpid()
+
+
+pthread_atfork(NULL, NULL, _after_fork_in_child)
+
+
+cdef inline pid_t getpid() noexcept nogil:
+    return _pid
 
 
 cdef int _check(int rc, str what) except -1:
