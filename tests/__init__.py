@@ -12,3 +12,8 @@ if _START_METHOD:
     import multiprocessing
 
     multiprocessing.set_start_method(_START_METHOD, force=True)
+    if _START_METHOD == "forkserver":
+        # As a training script's forkserver preloads torch (its __main__, Python's default
+        # list, imports it): under pytest __main__ is pytest's, and each of torch's own
+        # workers would import torch afresh (shmloader's server preloads this list too).
+        multiprocessing.set_forkserver_preload(["__main__", "torch"])
