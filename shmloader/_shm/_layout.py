@@ -54,22 +54,17 @@ SMALL_LEAF_BYTES = 16384
 NUMPY_OWNS_UP_TO = 1000
 # The lengths of the metadata's two pickles, at its start.
 _LENGTHS = struct.Struct("<II")
-# DLPack's (type code, bits) of the dtypes every supported torch takes from a
-# capsule (kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4, kDLComplex 5, kDLBool 6);
-# leaves of other dtypes are made by torch.frombuffer and Tensor.set_.
-_DLPACK_TYPES = {
-    torch.bool: (6, 8),
-    torch.uint8: (1, 8),
-    torch.int8: (0, 8),
-    torch.int16: (0, 16),
-    torch.int32: (0, 32),
-    torch.int64: (0, 64),
-    torch.float16: (2, 16),
-    torch.bfloat16: (4, 16),
-    torch.float32: (2, 32),
-    torch.float64: (2, 64),
-    torch.complex64: (5, 64),
-    torch.complex128: (5, 128),
+# DLPack's type codes of the dtypes every supported torch takes from a capsule
+# (kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4, kDLComplex 5, kDLBool 6; the
+# bits are the dtype's); leaves of other dtypes are made by torch.frombuffer
+# and Tensor.set_.
+_DLPACK_CODES = {
+    torch.bool: 6,
+    torch.uint8: 1,
+    **dict.fromkeys((torch.int8, torch.int16, torch.int32, torch.int64), 0),
+    **dict.fromkeys((torch.float16, torch.float32, torch.float64), 2),
+    torch.bfloat16: 4,
+    **dict.fromkeys((torch.complex64, torch.complex128), 5),
 }
 _from_dlpack = torch._C._from_dlpack
 
@@ -281,7 +276,7 @@ class _LeafMaker:
                     shape,
                     stride,
                 )
-            elif dtype in _DLPACK_TYPES:
+            elif dtype in _DLPACK_CODES:
                 tensor = _from_dlpack(self._buffer.leaf_capsule(*leaf_spec(ref, self._copy_small)))
             else:  # (a copy would be made as a view is: it is never smaller than a page)
                 tensor = torch.frombuffer(self._buffer, dtype=dtype, count=count, offset=offset)
@@ -378,7 +373,7 @@ def leaf_spec(ref, copy_small: bool) -> tuple:
     ):
         raise pickle.UnpicklingError(f"slot reference {ref!r} does not fit its bytes")
     nbytes = count * dtype.itemsize
-    code, bits = _DLPACK_TYPES[dtype]
+    code, bits = _DLPACK_CODES[dtype], dtype.itemsize * 8
     return offset, nbytes, code, bits, shape, stride, copy_small and nbytes <= SMALL_LEAF_BYTES
 
 
@@ -489,7 +484,7 @@ class Decoder:
             type(ref) is tuple
             and len(ref) == 8
             and ref[0] == TENSOR
-            and ref[2] in _DLPACK_TYPES
+            and ref[2] in _DLPACK_CODES
             and ref[5] > 0
             and ref[6] is False
             and ref[7] is None
