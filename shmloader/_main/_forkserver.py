@@ -16,7 +16,9 @@ torch and shmloader's worker loop:
   directory, the user's main module imported afresh as __mp_main__) after
   it forks, so what a spawned worker runs at its start runs in each.  What
   it shares with its server is what importing torch made, in a process
-  that never ran anything of the user's (no CUDA, no threads of theirs).
+  that never ran anything of the user's (no CUDA, no threads of theirs);
+  its environment is the server's, which is started again when os.environ
+  changed (own_server), so it is the one a spawned worker would have.
 The user's multiprocessing settings are only read, never changed: their
 forkserver (the global one, its preload list) and their start method are as
 they left them.  Workers are the server's children, not this process's.
@@ -64,27 +66,40 @@ _SAME_LAUNCH = popen_forkserver.Popen._launch.__code__.co_names == (  # type: ig
 )
 
 _lock = threading.Lock()
-_servers: dict[str, forkserver.ForkServer] = {}  # start method -> its server
+# start method -> (its server, for spawn the environment it was started with)
+_servers: dict[str, tuple[forkserver.ForkServer, dict[str, str] | None]] = {}
 _servers_pid: int | None = None  # the process that owns _servers (not a forked copy)
+# Servers replaced by one of a newer environment: their workers may still run, and a
+# server gone would read to their pools as their deaths, so they live on, idle.
+_replaced: list[forkserver.ForkServer] = []
 
 
 def own_server(method: str = "forkserver") -> forkserver.ForkServer:
     """This process's server for workers of start method `method`, made on
-    first use (see the module's docstring for what it preloads)."""
+    first use (see the module's docstring for what it preloads); for spawn,
+    made again whenever os.environ has changed since, so that a worker has
+    the environment a process spawned now would (variables read as a
+    process starts, LD_PRELOAD or MALLOC_*, included)."""
     global _servers_pid
     with _lock:
         if _servers_pid != os.getpid():
             _servers.clear()
+            _replaced.clear()
             _servers_pid = os.getpid()
-        server = _servers.get(method)
-        if server is None:
-            users = (
-                getattr(forkserver._forkserver, "_preload_modules", ["__main__"])
-                if method == "forkserver"
-                else []
-            )
-            server = _servers[method] = forkserver.ForkServer()
-            server.set_forkserver_preload([*users, *(m for m in _PRELOAD if m not in users)])
+        environment = dict(os.environ) if method == "spawn" else None
+        known = _servers.get(method)
+        if known is not None and known[1] == environment:
+            return known[0]
+        if known is not None:
+            _replaced.append(known[0])
+        users = (
+            getattr(forkserver._forkserver, "_preload_modules", ["__main__"])
+            if method == "forkserver"
+            else []
+        )
+        server = forkserver.ForkServer()
+        server.set_forkserver_preload([*users, *(m for m in _PRELOAD if m not in users)])
+        _servers[method] = (server, environment)
         return server
 
 

@@ -1401,6 +1401,13 @@ class PickleCounted(SizedMap):
             return self.table[i] + self.index[i][1] + self.shared[i][1]
 
 
+class EnvironMark(SizedMap):
+    """Each sample: SHMLOADER_TEST_MARK in the worker's environment, as an int (-1 unset)."""
+
+    def __getitem__(self, i):
+        return int(os.environ.get("SHMLOADER_TEST_MARK", "-1"))
+
+
 class ParentPid(SizedMap):
     """Each sample: the pid of the process that forked the worker."""
 

@@ -25,7 +25,7 @@ from shmloader._main import _torch_api
 from shmloader._main._pool import reap_leaving
 from shmloader._shm._ring import CLAIMED
 from tests.helpers import ROOT
-from tests.helpers.datasets import Dying, Failing, Images, PickleCounted, Sleepy
+from tests.helpers.datasets import Dying, EnvironMark, Failing, Images, PickleCounted, Sleepy
 from tests.helpers.procs import (
     alive,
     describe_stuck,
@@ -1184,3 +1184,23 @@ def test_spawn_workers_fork_from_a_clean_server_and_start_as_spawned_ones(tmp_pa
         proc.wait()
     left = wait_gone([server, *workers], HANG)[0]
     assert left == [], describe_stuck(left)
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_workers_have_the_environment_their_start_method_gives(monkeypatch, context):
+    """A spawned worker has the environment of the moment it starts, as torch's do, though
+    it forks from a server: a changed os.environ starts a new one.  A forkserver's workers
+    have the server's, as under Python's own forkserver (and torch's loader)."""
+
+    def marks(cls):
+        loader = cls(EnvironMark(2), batch_size=2, num_workers=1, multiprocessing_context=context)
+        return [b.tolist() for b in loader]
+
+    got = {}
+    for mark in ("1", "2"):
+        monkeypatch.setenv("SHMLOADER_TEST_MARK", mark)
+        got[mark] = marks(DataLoader), marks(tud.DataLoader)
+    if context == "spawn":
+        assert got == {"1": ([[1, 1]], [[1, 1]]), "2": ([[2, 2]], [[2, 2]])}
+    else:  # (each loader's server started before this test, or with its first mark)
+        assert got["1"][0] == got["2"][0] and got["1"][1] == got["2"][1]

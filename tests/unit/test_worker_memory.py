@@ -13,13 +13,16 @@ from shmloader import DataLoader
 BLOCK = 24 * 2**20  # above glibc's initial 128 KiB mmap threshold, below its 32 MiB maximum
 
 
-def _heap_range():
+def _in_heap(address) -> bool:
+    """Whether `address` lies in the heap: in any of its mappings (a process forked
+    from another, as from a forkserver, has its heap in two once it grows it)."""
     with open("/proc/self/maps") as maps:
         for line in maps:
             if line.rstrip().endswith("[heap]"):
-                low, high = line.split()[0].split("-")
-                return int(low, 16), int(high, 16)
-    return None
+                low, high = (int(n, 16) for n in line.split()[0].split("-"))
+                if low <= address < high:
+                    return True
+    return False
 
 
 class MallocProbe(Dataset):
@@ -35,17 +38,16 @@ class MallocProbe(Dataset):
         libc.free.argtypes = [ctypes.c_void_p]
         address = libc.malloc(BLOCK)
         try:
-            heap = _heap_range()
-            return torch.tensor(heap is not None and heap[0] <= address < heap[1])
+            return torch.tensor(_in_heap(address))
         finally:
             libc.free(address)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("context", ["spawn", "fork"])
+@pytest.mark.parametrize("context", ["spawn", "forkserver", "fork"])
 def test_worker_malloc_keeps_freed_memory(context):
-    """A spawned worker starts with glibc's defaults (its mmap threshold is below BLOCK):
-    only keep_freed_memory puts BLOCK on the heap."""
+    """A worker starts with glibc's defaults (its mmap threshold is below BLOCK): only
+    keep_freed_memory puts BLOCK on the heap."""
     got = torch.cat(
         list(
             DataLoader(MallocProbe(), batch_size=2, num_workers=2, multiprocessing_context=context)
