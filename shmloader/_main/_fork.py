@@ -42,14 +42,4 @@ def _before_fork() -> None:
             )
 
 
-# This process's pid, as os.getpid() gives it, without its system call
-# (next() asks once a batch whether its iterator is this process's).
-pid = os.getpid()
-
-
-def _after_fork_in_child() -> None:
-    global pid
-    pid = os.getpid()
-
-
-os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork)

@@ -46,9 +46,10 @@ from torch.utils.data.dataloader import (
 )
 
 from .._errors import WorkerDied
+from .._shm._ring import current_pid
 from .._worker._protocol import Probe, ResumeWorker, Rows, Task
 from .._worker._seeding import countable
-from . import _fork, _torch_api
+from . import _torch_api
 from ._iter_parts import build_parts
 from ._iter_receive import discard, kind
 from ._warn import init_as_torch
@@ -310,7 +311,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     def _next_data(self):
         if self._deferred_warnings.errors:
             self._deferred_warnings.raise_first()
-        if self._owner_pid != _fork.pid:
+        if self._owner_pid != current_pid():
             raise RuntimeError(
                 "this DataLoader iterator was made by the process this one was forked from, "
                 "whose workers and ring it uses; iterate the loader again here (iter(loader)) "

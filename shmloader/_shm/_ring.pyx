@@ -41,7 +41,7 @@ cdef extern from "<pthread.h>":
 
 # This process's pid, kept by a fork handler: getpid() is a system call, and
 # a lease asks whether it is this process's as it is acquired and as it dies,
-# once a batch each.  (Every fork that can run Python runs the handlers.)
+# once a batch each (and an iterator before each batch: current_pid).  (Every fork that can run Python runs the handlers.)
 cdef pid_t _pid = _getpid()
 
 
@@ -53,7 +53,13 @@ cdef void _after_fork_in_child() noexcept nogil:
 pthread_atfork(NULL, NULL, _after_fork_in_child)
 
 
-cdef inline pid_t getpid() noexcept nogil:
+cdef inline pid_t _this_pid() noexcept nogil:
+    return _pid
+
+
+def current_pid():
+    """This process's pid, as os.getpid() gives it, without its system call
+    (kept by the fork handler above)."""
     return _pid
 
 
@@ -70,7 +76,7 @@ ctypedef int (*create_fn)(const char *, uint32_t, uint64_t, shmring_t **) noexce
 
 cdef Ring _create(create_fn create, str where, uint32_t nslots, uint64_t slot_bytes):
     cdef Ring ring = Ring.__new__(Ring)
-    ring._owner = getpid()
+    ring._owner = _this_pid()
     cdef bytes path = where.encode()
     cdef const char *cpath = path
     cdef int rc
@@ -101,7 +107,7 @@ cdef class Ring:
         self._private = set()
 
     def __dealloc__(self):
-        if self.on_destroy is not None and getpid() == self._owner:
+        if self.on_destroy is not None and _this_pid() == self._owner:
             try:
                 self.on_destroy()
             except Exception:
@@ -126,7 +132,7 @@ cdef class Ring:
     def attach(int fd, int efd):
         """Map a ring received as file descriptors; verifies owner and header."""
         cdef Ring ring = Ring.__new__(Ring)
-        ring._owner = getpid()
+        ring._owner = _this_pid()
         cdef int rc
         with nogil:
             rc = shmring_attach(fd, efd, &ring._r)
@@ -137,7 +143,7 @@ cdef class Ring:
     def owned_here(self):
         """Whether this process made or attached this ring; False in a child
         forked since, whose copy views its parent's slots and batches."""
-        return getpid() == self._owner
+        return _this_pid() == self._owner
 
     @property
     def nslots(self):
@@ -213,7 +219,7 @@ cdef class Ring:
         _check(rc, "acquiring a slot")
         cdef SlotLease lease = SlotLease.__new__(SlotLease)
         lease._bind(self, slot)
-        lease._owner = getpid()
+        lease._owner = _this_pid()
         self._held.add(slot)
         lease.seq = seq
         lease.meta_off = meta_off
@@ -302,7 +308,7 @@ cdef class Ring:
         keeps its own slot's memory, not the whole ring's (and one fd: the
         wake-up eventfd goes).  Not for a ring pinned with CUDA (its
         registration covers the pages)."""
-        if self.release_hook is not None or getpid() != self._owner:
+        if self.release_hook is not None or _this_pid() != self._owner:
             return
         self._retired = True
         shmring_close_wakeup(self._r)
@@ -317,7 +323,7 @@ cdef class Ring:
         keeps the batches it inherits, as with torch's shared memory, while
         their slots are reused here.  Not for a ring pinned with CUDA (its
         registration covers the shared pages)."""
-        if self.release_hook is not None or getpid() != self._owner:
+        if self.release_hook is not None or _this_pid() != self._owner:
             return
         # No garbage collection meanwhile: it could release a lease whose
         # slot is on the list (FREE then, and refilled by a worker), which
@@ -549,7 +555,7 @@ cdef class SlotLease(SlotMemory):
         return self.read(self.meta_off, self.meta_len)
 
     def release(self):
-        if not self._released and getpid() == self._owner:
+        if not self._released and _this_pid() == self._owner:
             self._released = True
             if self.ring.release_hook is not None:
                 self.ring.release_hook(self.slot)
@@ -557,7 +563,7 @@ cdef class SlotLease(SlotMemory):
                 self.ring.release(self.slot)
 
     def __dealloc__(self):
-        if not self._released and self.ring is not None and getpid() == self._owner:
+        if not self._released and self.ring is not None and _this_pid() == self._owner:
             self._released = True
             if self.ring.release_hook is not None:
                 try:
