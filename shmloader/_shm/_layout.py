@@ -232,26 +232,28 @@ class _LeafMaker:
     """Turns slot references back into leaves (views of the slot, or copies
     of small ones), refusing any that would not lie wholly inside the slot: a
     corrupted slot is an error, never a wild read.
-    (torch.frombuffer checks the span, Tensor.set_ the shape and strides over
-    it; numpy's own extent check can overflow, so it is done here.)"""
+    (leaf_spec and SlotMemory.leaf_capsule check a DLPack leaf's span, shape
+    and strides, torch.frombuffer and Tensor.set_ any other tensor's; numpy's
+    own extent check can overflow, so it is done here.)"""
 
-    __slots__ = ("_buffer", "_copy_small", "refs", "made", "_storages")
+    __slots__ = ("_buffer", "_copy_small", "refs", "made", "specs", "_storages")
 
     def __init__(self, slot_buffer, copy_small, refs):
         self._buffer = slot_buffer
         self._copy_small = copy_small
         self.refs = refs  # the metadata's references
         self.made = {}  # id(leaf) -> its reference's number
+        self.specs = {}  # number -> leaf_spec(), for leaves one capsule makes whole
         self._storages = None  # (byte offset, size) -> the storage leaves share there
 
     def __call__(self, number):
         if type(number) is not int or not 0 <= number < len(self.refs):
             raise pickle.UnpicklingError(f"slot reference number {number!r} is not in the metadata")
-        leaf = self._make(self.refs[number])
+        leaf = self._make(number, self.refs[number])
         self.made[id(leaf)] = number
         return leaf
 
-    def _make(self, ref):
+    def _make(self, number, ref):
         if type(ref) is not tuple or not ref:
             raise pickle.UnpicklingError(f"slot reference {ref!r} is not a reference")
         kind = ref[0]
@@ -277,7 +279,10 @@ class _LeafMaker:
                     stride,
                 )
             elif dtype in _DLPACK_CODES:
-                tensor = _from_dlpack(self._buffer.leaf_capsule(*leaf_spec(ref, self._copy_small)))
+                spec = leaf_spec(ref, self._copy_small)
+                tensor = _from_dlpack(self._buffer.leaf_capsule(*spec))
+                if not requires_grad:
+                    self.specs[number] = spec
             else:  # (a copy would be made as a view is: it is never smaller than a page)
                 tensor = torch.frombuffer(self._buffer, dtype=dtype, count=count, offset=offset)
                 tensor.set_(tensor.untyped_storage(), 0, shape, stride)
@@ -474,26 +479,19 @@ class Decoder:
         make_leaf = _LeafMaker(slot_buffer, copy_small, refs)
         # An unpickler of its own: the batch's pickle numbers its memo from 0.
         batch = _RefUnpickler(io.BytesIO(view[end - batch_bytes : end]), make_leaf).load()
-        self._remember(meta[:end], refs, make_leaf, batch, copy_small, (fallback_leaves, samples))
+        self._remember(meta[:end], make_leaf, batch, copy_small, (fallback_leaves, samples))
         return batch, fallback_leaves, samples, meta[end:] or None
 
-    def _remember(self, known, refs, make_leaf, batch, copy_small, counts) -> None:
-        """Keep this batch's structure, where it has a plan (see the NOTE)."""
+    def _remember(self, known, make_leaf, batch, copy_small, counts) -> None:
+        """Keep this batch's structure, where it has a plan (see the NOTE):
+        every reference made into a leaf by one capsule, as its spec says."""
         self._known = None
-        if len(make_leaf.made) != len(refs) or not all(
-            type(ref) is tuple
-            and len(ref) == 8
-            and ref[0] == TENSOR
-            and ref[2] in _DLPACK_CODES
-            and ref[5] > 0
-            and ref[6] is False
-            and ref[7] is None
-            for ref in refs
-        ):
+        specs = make_leaf.specs
+        if len(specs) != len(make_leaf.refs):
             return
         plan = _plan(batch, make_leaf.made, set())
         if plan is not None:
-            self._specs = [leaf_spec(ref, copy_small) for ref in refs]
+            self._specs = [specs[number] for number in range(len(specs))]
             self._make_batch = _builder(plan)
             self._known, self._copy_small, self._counts = known, copy_small, counts
 
