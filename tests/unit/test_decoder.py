@@ -7,9 +7,11 @@ from collections import namedtuple
 
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
 
 from shmloader._shm import _layout, _ring
 from shmloader._shm._ring import Ring
+from tests.helpers.datasets import assert_same
 
 SLOT_BYTES = 1 << 16
 
@@ -52,20 +54,11 @@ def lease_of():
 
 
 def _same(a, b):
-    assert type(a) is type(b)
-    if isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert list(a) == list(b)
-        for key in a:
-            _same(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _same(x, y)
-    else:
-        assert a == b
+    """assert_same, the strides of every tensor too (a plan must keep them)."""
+    assert_same(a, b)
+    for x, y in zip(tree_leaves(a), tree_leaves(b)):
+        if isinstance(x, torch.Tensor):
+            assert x.stride() == y.stride()
 
 
 def _batch(value):
