@@ -38,6 +38,7 @@ import numpy as np
 import numpy.random  # noqa: F401  here, once: else every forked worker imports it (~9 ms) to seed
 import torch
 from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data._utils.collate import default_collate
 
 from ._batch import batch
 from ._channels import Inbox, receive_config, send
@@ -59,7 +60,32 @@ def worker_loop(cfg: WorkerConfig) -> None:
 def configured_worker_loop(tasks, results, manager_pid: int) -> None:
     """A worker started before its config was known (spawn and forkserver:
     NOTE [pool: configured after start]): the config is its first message."""
-    _leaving_as_torch(manager_pid, lambda: receive_config(tasks, results))
+
+    def config() -> WorkerConfig | None:
+        _warm_up_while_waiting(tasks)
+        return receive_config(tasks, results)
+
+    _leaving_as_torch(manager_pid, config)
+
+
+def _warm_up_while_waiting(tasks) -> None:
+    """What every worker's start does whatever its config, done once while
+    this one waits for its config (a loader's spare workers wait an epoch:
+    _main/_spare.py): a seeding, and default_collate of two small tensors.
+    The first run of each in a process forked from a server copies some 600
+    of the server's pages on write, ~2 ms of CPU a worker; at an epoch
+    boundary every worker pays it at once, on the cores that make the first
+    batch.  Every generator is put back as it was, so that what runs before
+    the real seeding (the dataset's unpickling) draws what it would have.
+    Skipped where the config is here already (nothing to hide it behind)."""
+    if tasks.poll(0):
+        return
+    generators = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    _seed(0, 0)
+    torch.set_rng_state(generators[0])
+    np.random.set_state(generators[1])
+    random.setstate(generators[2])
+    default_collate([torch.zeros(3, dtype=torch.int64)] * 2)
 
 
 def _leaving_as_torch(manager_pid: int, config: Callable[[], WorkerConfig | None]) -> None:
@@ -115,14 +141,14 @@ def _set_up_process(cfg: WorkerConfig) -> int:
     torch.multiprocessing._set_thread_name("pt_data_worker")
     torch.set_num_threads(1)
     keep_freed_memory()
-    return _seed(cfg)
+    return _seed(cfg.base_seed, cfg.worker_id)
 
 
-def _seed(cfg: WorkerConfig) -> int:
-    seed = cfg.base_seed + cfg.worker_id
+def _seed(base_seed: int, worker_id: int) -> int:
+    seed = base_seed + worker_id
     random.seed(seed)
     torch.manual_seed(seed)
-    np.random.seed(torch_worker._generate_state(cfg.base_seed, cfg.worker_id))
+    np.random.seed(torch_worker._generate_state(base_seed, worker_id))
     return seed
 
 
