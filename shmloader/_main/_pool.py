@@ -31,6 +31,7 @@ from .._worker._config import WorkerConfig
 from .._worker._loop import configured_worker_loop, worker_loop
 from .._worker._protocol import (
     EXIT,
+    LEAVE,
     NO_RING_FDS_EXIT,
     NO_RING_MAPPING_EXIT,
     Configure,
@@ -406,9 +407,13 @@ class WorkerPool:
         end does not wait for processes.  (A worker may still give back a
         slot of a task it was sent and never answered, its IterableDataset
         having run out first: then whoever reuses or retires the ring waits
-        for them first, reap(wait=True), see ShmLoaderIter._shutdown_workers.)"""
+        for them first, reap(wait=True), see ShmLoaderIter._shutdown_workers.)
+        A server's workers are told LEAVE: nobody waits for them, so they
+        leave in the cores' idle time (_exit.step_aside), not on the cores
+        that start the next epoch's workers.  This process's own children
+        (fork) are waited for by the next pool's start (reap_leaving)."""
         self._leaving_by = time.monotonic() + JOIN_TIMEOUT
-        self._tell_exit()
+        self._tell_exit(LEAVE if children_of_a_server(self.ctx) else EXIT)
         for conn in self._tasks + self._results:
             conn.close()
         self._exiting = set(range(len(self.processes)))
@@ -432,12 +437,12 @@ class WorkerPool:
             self._reaped.add(i)
         return len(self._reaped) == len(self.processes)
 
-    def _tell_exit(self) -> list:
-        """Send every worker EXIT; those it reached."""
+    def _tell_exit(self, message=EXIT) -> list:
+        """Send every worker EXIT (or LEAVE); those it reached."""
         told = []
         for p, conn in zip(self.processes, self._tasks):
             try:
-                conn.send(EXIT)
+                conn.send(message)
                 told.append(p)
             except OSError:
                 pass  # gone, or its pipe end finalized already: nothing to wait for

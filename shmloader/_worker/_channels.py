@@ -14,8 +14,8 @@ from multiprocessing.reduction import ForkingPickler, recvfds
 from torch._utils import ExceptionWrapper
 
 from ._config import WorkerConfig
-from ._exit import NoRingFds, without_ring
-from ._protocol import EXIT, RingFds, from_main
+from ._exit import NoRingFds, step_aside, without_ring
+from ._protocol import EXIT, LEAVE, RingFds, from_main
 from ._shared_objects import SharedObjects
 from ._watch import WATCHDOG_INTERVAL, is_alive, open_pidfd
 
@@ -82,6 +82,11 @@ class Inbox:
     def _read_available(self, timeout):
         while self._conn.poll(timeout):
             msg = from_main(self._conn.recv())
+            if msg is LEAVE:
+                # At once: the main process closes the socket behind it, and
+                # reading its end (EOFError) is this worker's way out.
+                step_aside()
+                msg = EXIT
             if msg is not EXIT and msg.kind == "ring":
                 # The fds follow the message in the stream: take them now.
                 self.ring_fds = _receive_fds(self._conn, 2)

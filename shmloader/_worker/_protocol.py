@@ -2,7 +2,7 @@
 
 Main -> worker, over the worker's task socket: Configure (first, under spawn
 and forkserver), RingFds, UseLayout, Task, Rows, Probe, ResumeWorker, and
-EXIT.  Worker -> main, over the worker's
+EXIT or LEAVE.  Worker -> main, over the worker's
 result pipe: Segment, Batch, ErrorReply, RowErrorReply, Described, Stop,
 Resumed.  A batch written into a ring slot sends no message at all: the
 slot is published on the ring (see _ring.pyx), and the main process takes
@@ -40,8 +40,10 @@ RING_FULL = "ring_full"  # every slot was held (NO_SLOT)
 SPILL = "spill"  # it did not fit its slot
 
 # Main -> worker: exit (the iterator shuts down, or the worker's
-# IterableDataset ran out).  Sent as it is, not as a tuple.
+# IterableDataset ran out); LEAVE: exit where nobody waits for it, in the
+# cores' idle time (_exit.step_aside).  Sent as they are, not as tuples.
 EXIT = None
+LEAVE = False
 
 # A worker's exit status when the ring's fds did not reach it or could not be
 # mapped (no room for more open files), or when its address space had no room
@@ -284,8 +286,9 @@ _FROM_WORKER = {
 
 
 def from_main(msg):
-    """The record of a message the worker read from its task socket (EXIT as it is)."""
-    return msg if msg is EXIT else _FROM_MAIN[msg[0]](msg)
+    """The record of a message the worker read from its task socket (EXIT and
+    LEAVE as they are)."""
+    return msg if msg is EXIT or msg is LEAVE else _FROM_MAIN[msg[0]](msg)
 
 
 def from_worker(msg):

@@ -1,13 +1,18 @@
-"""A worker's start around an epoch boundary (issue 38): what a waiting worker does
-before its config must leave no trace."""
+"""A worker's start and end around an epoch boundary (issue 38): what a waiting
+worker does before its config must leave no trace, and a worker told to LEAVE
+gives the cores up before it exits."""
 
 import multiprocessing as mp
+import os
 import random
 
 import numpy as np
+import pytest
 import torch
 
+from shmloader._worker._channels import Inbox
 from shmloader._worker._loop import _warm_up_while_waiting
+from shmloader._worker._protocol import EXIT, LEAVE
 
 
 def test_a_waiting_workers_warm_up_leaves_every_generator_as_it_was():
@@ -29,3 +34,34 @@ def test_a_waiting_workers_warm_up_leaves_every_generator_as_it_was():
     assert torch.equal(torch.rand(3), expected[0])
     assert np.array_equal(np.random.rand(3), expected[1])
     assert random.random() == expected[2]
+
+
+def _policies_after(report) -> None:
+    """In a child: the message an Inbox reads, and the scheduling policy of each
+    of this process's threads then."""
+    report["main_end"].close()
+    got = Inbox(report["tasks"], os.getppid()).next()
+    policies = {os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}
+    report["out"].send((got, policies))
+
+
+@pytest.mark.parametrize("message", [LEAVE, EXIT], ids=["LEAVE", "EXIT"])
+def test_a_worker_told_to_leave_runs_only_in_the_cores_idle_time(message):
+    """LEAVE (a non-persistent epoch's end, where nobody waits for the workers):
+    every thread of the worker at SCHED_IDLE before it exits.  EXIT (a shutdown
+    that joins them): left as it was."""
+    ctx = mp.get_context("fork")
+    main_end, tasks = ctx.Pipe(duplex=True)
+    out_r, out_w = ctx.Pipe(duplex=False)
+    child = ctx.Process(
+        target=_policies_after, args=({"tasks": tasks, "main_end": main_end, "out": out_w},)
+    )
+    child.start()
+    tasks.close()
+    out_w.close()
+    main_end.send(message)
+    got, policies = out_r.recv()
+    main_end.close()
+    child.join(10)
+    assert got is EXIT  # (LEAVE is an exit to the worker's loop)
+    assert policies == ({os.SCHED_IDLE} if message is LEAVE else {os.sched_getscheduler(0)})
