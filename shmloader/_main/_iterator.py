@@ -462,12 +462,13 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         writers_gone = None
         try:
             if idle:
-                self._pool.leave_idle()
                 # Every task answered, each its own batch: no leaving worker
                 # touches the ring again, and whoever uses it next need not
                 # wait for them.  (Else, say a task sent to a worker whose
                 # IterableDataset ran out, it may still give back its slot.)
-                if self._record.outstanding or self._fetch != "batch":
+                awaited = bool(self._record.outstanding) or self._fetch != "batch"
+                self._pool.leave_idle(awaited)
+                if awaited:
                     writers_gone = functools.partial(self._pool.reap, True)
             else:
                 self._pool.shutdown(graceful)

@@ -401,19 +401,21 @@ class WorkerPool:
             # whatever happened, no worker outlives it.
             self._end_processes()
 
-    def leave_idle(self) -> None:
+    def leave_idle(self, awaited: bool = False) -> None:
         """Ask every worker to exit at its epoch's end, without waiting: they
         are reaped as they exit, by the next pool's start, so that an epoch's
         end does not wait for processes.  (A worker may still give back a
         slot of a task it was sent and never answered, its IterableDataset
         having run out first: then whoever reuses or retires the ring waits
         for them first, reap(wait=True), see ShmLoaderIter._shutdown_workers.)
-        A server's workers are told LEAVE: nobody waits for them, so they
-        leave in the cores' idle time (_exit.step_aside), not on the cores
-        that start the next epoch's workers.  This process's own children
-        (fork) are waited for by the next pool's start (reap_leaving)."""
+        A server's workers that nobody waits for (`awaited`: the ring's next
+        user will) are told LEAVE: they leave in the cores' idle time
+        (_exit.step_aside), not on the cores that start the next epoch's
+        workers.  This process's own children (fork) are waited for by the
+        next pool's start (reap_leaving)."""
         self._leaving_by = time.monotonic() + JOIN_TIMEOUT
-        self._tell_exit(LEAVE if children_of_a_server(self.ctx) else EXIT)
+        quietly = children_of_a_server(self.ctx) and not awaited
+        self._tell_exit(LEAVE if quietly else EXIT)
         for conn in self._tasks + self._results:
             conn.close()
         self._exiting = set(range(len(self.processes)))
