@@ -7,6 +7,7 @@ SlotLease is the consumer's SlotMemory for a READY slot and gives the slot
 back to the ring when the last object viewing it is gone.  _check is the one
 place where a C return code becomes a Python exception.
 """
+import _thread
 import gc
 import os
 import time
@@ -571,6 +572,14 @@ cdef class SlotLease(SlotMemory):
                     return
                 except Exception:
                     pass  # the hook failed: give the slot back at once
+                except KeyboardInterrupt:
+                    # A Ctrl-C met in the hook's Python: raised out of a
+                    # deallocation it would be printed and dropped, and the
+                    # loop would go on.  It is delivered again, to the code
+                    # this deallocation interrupted; the slot stays as the
+                    # hook left it (released, or held until its ring goes).
+                    _thread.interrupt_main()
+                    return
             self.ring._give_back(self.slot)
 
 

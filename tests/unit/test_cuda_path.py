@@ -124,6 +124,23 @@ def test_a_failing_fence_maker_gives_the_slot_back_at_once():
     assert ring.slot_state(slot) == FREE
 
 
+def test_a_ctrl_c_met_in_a_release_hook_reaches_the_loop():
+    """A release hook is Python (poison mode's, the fences): a Ctrl-C pending when a
+    batch is freed is raised in it, inside a deallocation, where it would be printed
+    and dropped and the training loop would go on; it reaches the loop instead."""
+    ring = Ring.create_in("/dev/shm", 1, 4096)
+
+    def interrupted(slot):
+        raise KeyboardInterrupt
+
+    ring.release_hook = interrupted
+    lease = _published(ring, 1)
+    with pytest.raises(KeyboardInterrupt):
+        del lease  # (dealloc: the hook raises)
+        for _ in range(10_000):  # the loop's next bytecodes
+            pass
+
+
 # ---- registration --------------------------------------------------------------
 
 
