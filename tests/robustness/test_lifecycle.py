@@ -532,12 +532,14 @@ def test_many_iterators_do_not_grow_fds_or_children():
     loader = DataLoader(Images(16), batch_size=4, num_workers=2)
     list(loader)  # sizes the ring, which the loader then keeps
     list(loader)  # (spawn, forkserver: starts the spare workers the loader then keeps)
+    loader._spare_workers._own()  # (their start, in a thread, over: both counts see it done)
     gc.collect()
     fds = open_fds()
     for _ in range(5):
         it = iter(loader)
         next(it)
         del it
+    loader._spare_workers._own()
     gc.collect()
     assert open_fds() <= fds
     assert our_segments() == []
