@@ -42,7 +42,8 @@ cdef extern from "<pthread.h>":
 
 # This process's pid, kept by a fork handler: getpid() is a system call, and
 # a lease asks whether it is this process's as it is acquired and as it dies,
-# once a batch each (and an iterator before each batch: current_pid).  (Every fork that can run Python runs the handlers.)
+# once a batch each (and an iterator before each batch: current_pid).
+# (Every fork that can run Python runs the handlers.)
 cdef pid_t _pid = _getpid()
 
 
