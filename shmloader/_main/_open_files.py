@@ -3,11 +3,11 @@ error where the open-files limit (RLIMIT_NOFILE, `ulimit -n`) cannot hold them.
 
 NOTE [open files: per worker]
 The main process holds 4 files per worker for the worker's whole life: its
-task socket, its result socket, and the two pipes every start method keeps
+task pipe, its result socket, and the two pipes every start method keeps
 (fork's and spawn's popen, shmloader's forkserver alike): the sentinel that
 wakes the wait when the worker dies, and the write end whose closing tells the
 worker that the main process is gone.  Besides those, at least 4: the ring's
-memfd and eventfd, and a starting worker's own ends of its two sockets, held
+memfd and eventfd, and a starting worker's own ends of its pipe and socket, held
 until it runs.  (Under spawn and forkserver a non-persistent loader also starts
 its next epoch's workers during each epoch from its second on, 4 files each
 again; they are optional: where they do not fit, none start, see _spare.py.)
@@ -74,7 +74,7 @@ def check_num_workers(num_workers) -> None:
     raise OSError(
         errno.EMFILE,
         f"num_workers={num_workers} cannot run under {limit_words()}: the main process "
-        f"keeps {FDS_PER_WORKER} files open per worker (its task and result sockets, its "
+        f"keeps {FDS_PER_WORKER} files open per worker (its task pipe and result socket, its "
         f"process's two pipes) and {FDS_FIXED} more (the ring's two, and two while a worker "
         f"starts), {needed} in all. {_how_to_raise(needed)}, or use num_workers <= {most}.",
     )

@@ -1,6 +1,7 @@
-"""A worker's two channels: its inbox, which reads the task socket (tasks,
-the ring's fds, exit), and send, which writes replies into its result pipe.
-The messages on both: see _protocol.py."""
+"""A worker's two channels: its inbox, which reads the task pipe (tasks, the
+ring, exit) and takes the fds that follow a message over the result socket,
+and send, which writes replies into that socket.  The messages on both: see
+_protocol.py; why a pipe and a socket: _main/_pool.py."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def receive_config(tasks, results) -> WorkerConfig | None:
     if msg is EXIT:
         return None
     try:
-        fds = _receive_fds(tasks, msg.nfds)
+        fds = _receive_fds(results, msg.nfds)
     except NoRingFds as e:  # (its first fds: only a limit of a handful of files does that)
         without_ring(msg.fields["worker_id"], e)
     return WorkerConfig(
@@ -45,8 +46,8 @@ def receive_config(tasks, results) -> WorkerConfig | None:
 
 
 def _receive_fds(conn, count: int) -> list[int]:
-    """The `count` fds that follow a message in conn's stream; NoRingFds when
-    no fd was left to take them."""
+    """The `count` fds of the message just read, from the result socket
+    `conn`; NoRingFds when no fd was left to take them."""
     try:
         with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
             return recvfds(s, count)
@@ -67,8 +68,9 @@ class Inbox:
     Waiting also watches the main process itself (NOTE [worker: two
     watchers of the main process])."""
 
-    def __init__(self, conn, manager_pid):
+    def __init__(self, conn, results, manager_pid):
         self._conn = conn
+        self._results = results  # (the fds that follow a message come over it)
         self._pending = collections.deque()
         self._manager_pid = manager_pid
         self.manager_gone = False
@@ -83,13 +85,13 @@ class Inbox:
         while self._conn.poll(timeout):
             msg = from_main(self._conn.recv())
             if msg is LEAVE:
-                # At once: the main process closes the socket behind it, and
+                # At once: the main process closes the pipe behind it, and
                 # reading its end (EOFError) is this worker's way out.
                 step_aside()
                 msg = EXIT
             if msg is not EXIT and msg.kind == "ring":
-                # The fds follow the message in the stream: take them now.
-                self.ring_fds = _receive_fds(self._conn, 2)
+                # The fds follow the message: take them now.
+                self.ring_fds = _receive_fds(self._results, 2)
             else:
                 self._pending.append(msg)
             timeout = 0

@@ -28,8 +28,8 @@ class WorkerConfig:
     measures_spills: bool  # slot_bytes=None: the slots grow to fit a spilled batch
     resume_state: dict | None  # plain worker state to start from (load_state_dict)
     manager_pid: int  # the main process: workers exit when it is gone
-    tasks: Any  # Connection (a socket: it also carries the ring's fds)
-    results: Any  # Connection
+    tasks: Any  # Connection (a pipe: every message from the main process)
+    results: Any  # Connection (a socket: it also brings the fds of those messages)
     # spawn and forkserver: dataset, collate_fn and init_fn, pickled once for
     # all workers (then None above); see _shared_objects.py.
     shared: SharedObjects | None = None

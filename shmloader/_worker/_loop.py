@@ -14,7 +14,7 @@ This module starts the worker and runs its loop; the rest of the worker side
     _config.py    what a worker is started with (WorkerConfig)
     _exit.py      how it leaves when it cannot return from the loop
     _watch.py     whether the main process still lives
-    _channels.py  its inbox (the task socket) and send (the result pipe)
+    _channels.py  its inbox (the task pipe) and send (the result socket)
     _slots.py     the ring as it mapped it, and its counters
     _tasks.py     what its tasks share (TaskContext)
     _batch.py     a whole batch
@@ -116,7 +116,7 @@ def _run(cfg: WorkerConfig) -> None:
     )
     ctx = TaskContext(cfg, dataset)
     ctx.start()
-    inbox = Inbox(cfg.tasks, cfg.manager_pid)
+    inbox = Inbox(cfg.tasks, cfg.results, cfg.manager_pid)
     while True:
         msg = inbox.next()
         if msg is EXIT:

@@ -1,9 +1,9 @@
 """The messages between the main process and its workers, as typed records.
 
-Main -> worker, over the worker's task socket: Configure (first, under spawn
+Main -> worker, over the worker's task pipe: Configure (first, under spawn
 and forkserver), RingFds, UseLayout, Task, Rows, Probe, ResumeWorker, and
-EXIT or LEAVE.  Worker -> main, over the worker's
-result pipe: Segment, Batch, ErrorReply, RowErrorReply, Described, Stop,
+EXIT or LEAVE (the fds of Configure and RingFds follow over the result
+socket).  Worker -> main, over the worker's result socket: Segment, Batch, ErrorReply, RowErrorReply, Described, Stop,
 Resumed.  A batch written into a ring slot sends no message at all: the
 slot is published on the ring (see _ring.pyx), and the main process takes
 it as a SlotLease.  The records are replies, not exceptions: an error
@@ -59,7 +59,7 @@ class Configure(NamedTuple):
     """Main -> a worker started before its iterator's config was known (spawn
     and forkserver: see NOTE [pool: configured after start]), its first
     message: the WorkerConfig fields but its connections and shared objects;
-    the shared objects' nfds fds follow in the stream (SCM_RIGHTS)."""
+    the shared objects' nfds fds follow over the result socket (SCM_RIGHTS)."""
 
     kind: str
     fields: dict[str, Any]
@@ -72,7 +72,7 @@ class Configure(NamedTuple):
 
 class RingFds(NamedTuple):
     """Main -> every worker, when a ring is made: the ring's segment fd and
-    eventfd follow the message in the socket's stream (SCM_RIGHTS)."""
+    eventfd follow over the worker's result socket (SCM_RIGHTS)."""
 
     kind: str
 
@@ -286,7 +286,7 @@ _FROM_WORKER = {
 
 
 def from_main(msg):
-    """The record of a message the worker read from its task socket (EXIT and
+    """The record of a message the worker read from its task pipe (EXIT and
     LEAVE as they are)."""
     return msg if msg is EXIT or msg is LEAVE else _FROM_MAIN[msg[0]](msg)
 

@@ -16,7 +16,7 @@ torch's workers: a tensor's storage is moved to shared memory and sent as an
 fd (torch's file_descriptor strategy), a SharedList as its segment's fd, a
 Connection or Queue as theirs.  The fds those reductions hand the spawning
 popen are kept here (_Collector) and sent to each worker, after the segment's
-own, over its task socket (SharedObjects.fds, see _standby.py); in a worker,
+own, over its result socket (SharedObjects.fds, see _standby.py); in a worker,
 InheritedFd.detach() returns a duplicate of the one it stands for, as the
 popens' own DupFd does, so each object that takes one owns its own.
 """

@@ -40,7 +40,7 @@ def _policies_after(report) -> None:
     """In a child: the message an Inbox reads, and the scheduling policy of each
     of this process's threads then."""
     report["main_end"].close()
-    got = Inbox(report["tasks"], os.getppid()).next()
+    got = Inbox(report["tasks"], None, os.getppid()).next()
     policies = {os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}
     report["out"].send((got, policies))
 
@@ -51,7 +51,7 @@ def test_a_worker_told_to_leave_runs_only_in_the_cores_idle_time(message):
     every thread of the worker at SCHED_IDLE before it exits.  EXIT (a shutdown
     that joins them): left as it was."""
     ctx = mp.get_context("fork")
-    main_end, tasks = ctx.Pipe(duplex=True)
+    tasks, main_end = ctx.Pipe(duplex=False)
     out_r, out_w = ctx.Pipe(duplex=False)
     child = ctx.Process(
         target=_policies_after, args=({"tasks": tasks, "main_end": main_end, "out": out_w},)
