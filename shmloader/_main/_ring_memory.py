@@ -5,6 +5,7 @@ The main side's: the segment itself, which workers make too, is _segment.py's
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import weakref
@@ -17,6 +18,7 @@ from .._shm._ring import CLAIMED, Ring
 from .._shm._segment import new_segment, ring_bytes_message
 from .._worker._sample_layout import SampleLayout
 from . import _fork
+from ._open_files import too_many_open_files
 
 # Optional cap, in bytes, on one ring's shared memory: a ring that would be
 # larger fails at start.
@@ -87,11 +89,18 @@ def smaller_ring_message(fit: int, nslots: int, slot_bytes: int, room: str) -> s
 def create_ring(nslots: int, slot_bytes: int) -> Ring:
     """A new ring that no one else can open and nothing can leave behind:
     it lives only in the fds the workers receive.  SharedMemoryError where
-    the memory this process can get does not hold it."""
+    the memory this process can get does not hold it; OSError (EMFILE) with
+    the limit and what to do where its two files do not fit."""
     fit, room = slots_that_fit(slot_bytes)
     if fit < nslots:
         raise SharedMemoryError(ring_bytes_message(nslots, slot_bytes, room))
-    ring = new_segment(nslots, slot_bytes)
+    try:
+        ring = new_segment(nslots, slot_bytes)
+    except OSError as e:
+        if e.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        doing = f"making the ring of shared memory ({nslots} x {slot_bytes} bytes)"
+        raise OSError(e.errno, too_many_open_files(doing)) from e
     _fork.track(ring)
     return ring
 

@@ -256,6 +256,40 @@ print("then:", len(list(loader)))
     assert "sharing_strategy" not in error, error
 
 
+def test_no_room_for_the_rings_files_names_the_limit():
+    """A ring is two files (its memory and its wake-up eventfd), made at the first batch:
+    where only one fits, the error names RLIMIT_NOFILE, the limit and the fix, and the
+    file that was made is closed again."""
+    out = _child(
+        """
+from shmloader._main._ring_memory import create_ring
+held = []
+while True:
+    try:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        break
+os.close(held.pop())  # room for one file
+try:
+    create_ring(4, 4096)
+    print("error: none")
+except OSError as e:
+    print("error:", e)
+try:
+    held.append(os.open("/dev/null", os.O_RDONLY))
+    print("room left: yes")
+except OSError:
+    print("room left: no")
+""",
+        soft=64,
+    )
+    lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    error = lines["error"]
+    assert "Too many open files while making the ring" in error, error
+    assert "RLIMIT_NOFILE" in error and "`ulimit -n`: 64" in error, error
+    assert lines["room left"] == "yes"
+
+
 @pytest.mark.slow
 def test_520_workers_wait_on_1040_fds():
     """Past 512 workers the wait's fds (two a worker) were more than its fixed array held,
