@@ -101,6 +101,14 @@ def refused(make):
         assert e.errno == errno.EMFILE, e
         return str(e)
     return None
+
+def fill_fds():  # /dev/null opened until the limit refuses: the fds, to close
+    held = []
+    while True:
+        try:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            return held
 """
 
 
@@ -230,12 +238,7 @@ def test_running_out_of_files_mid_epoch_names_the_limit():
         """
 loader = DataLoader(WhoMap(64), num_workers=4, multiprocessing_context="fork")
 it = iter(loader)
-held = []
-while True:
-    try:
-        held.append(os.open("/dev/null", os.O_RDONLY))
-    except OSError:
-        break
+held = fill_fds()
 error = None
 try:
     list(it)
@@ -263,12 +266,7 @@ def test_no_room_for_the_rings_files_names_the_limit():
     out = _child(
         """
 from shmloader._main._ring_memory import create_ring
-held = []
-while True:
-    try:
-        held.append(os.open("/dev/null", os.O_RDONLY))
-    except OSError:
-        break
+held = fill_fds()
 os.close(held.pop())  # room for one file
 try:
     create_ring(4, 4096)
