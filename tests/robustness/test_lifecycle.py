@@ -724,7 +724,9 @@ WATCHED_SCRIPT = textwrap.dedent("""
     from tests.helpers.datasets import Sleepy
     class Busy(Sleepy):
         def __getitem__(self, i):
-            print("busy", file=sys.stderr, flush=True)  # (in the worker, its watchdog started)
+            # (in the worker, its watchdog started) One write: under PYTHONUNBUFFERED,
+            # print() writes the word and the newline apart, and two workers' could interleave.
+            os.write(2, b"busy\\n")
             return super().__getitem__(i)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
