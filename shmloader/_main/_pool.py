@@ -7,9 +7,9 @@ worker can never leave a half-written message in a channel that others use.
 The tasks go over a pipe because a task is sent per batch, on the training
 thread, and waking a worker costs that thread ~12 us less through a pipe
 than through a socket here (the write with a sleeping reader: ~33 us against
-~45, caches cold after a model step).  Process sentinels are
-polled together with the result pipes (and the ring's eventfd), so a worker's
-death wakes the main process at once.
+~45, caches cold after a model step).  Process sentinels are polled together
+with the result sockets (and the ring's eventfd), so a worker's death wakes
+the main process at once.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Main -> worker, over the worker's task pipe: Configure (first, under spawn
 and forkserver), RingFds, UseLayout, Task, Rows, Probe, ResumeWorker, and
 EXIT or LEAVE (the fds of Configure and RingFds follow over the result
-socket).  Worker -> main, over the worker's result socket: Segment, Batch, ErrorReply, RowErrorReply, Described, Stop,
-Resumed.  A batch written into a ring slot sends no message at all: the
+socket).  Worker -> main, over the worker's result socket: Segment, Batch,
+ErrorReply, RowErrorReply, Described, Stop, Resumed.  A batch written into a ring slot sends no message at all: the
 slot is published on the ring (see _ring.pyx), and the main process takes
 it as a SlotLease.  The records are replies, not exceptions: an error
 travels inside ErrorReply or RowErrorReply, wrapped as torch wraps it.
