@@ -33,8 +33,11 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 import threading
 from multiprocessing import context, forkserver, popen_forkserver, process, reduction, spawn, util
+
+import numpy as np
 
 # What shmloader's server imports before any worker forks from it.
 _PRELOAD = ["torch", "shmloader._worker._loop"]
@@ -97,10 +100,83 @@ def own_server(method: str = "forkserver") -> forkserver.ForkServer:
             if method == "forkserver"
             else []
         )
+        preload = [*users, *(m for m in _PRELOAD if m not in users)]
+        if method == "spawn" or not _preloads_torch(users):
+            preload.append("shmloader._worker._fresh_torch_generator")
+        if method == "spawn" or not _preloads_numpy_random(users):
+            preload.append("shmloader._worker._fresh_numpy_generator")
         server = forkserver.ForkServer()
-        server.set_forkserver_preload([*users, *(m for m in _PRELOAD if m not in users)])
+        server.set_forkserver_preload(preload)
         _servers[method] = (server, environment)
         return server
+
+
+# NOTE [forkserver: fresh generators]
+# A process that imports torch starts torch's global generator from fresh
+# entropy, and numpy.random's likewise: each of torch's spawned workers has
+# its own, where every process forked from a server that imported them starts
+# from the server's state, the same in all.  What draws from them before
+# torch's worker seeding (a dataset's unpickling, a script's module level)
+# would tell shmloader's workers from torch's.  So where a worker stands in
+# for a process that imports them afresh (spawn; forkserver where Python's
+# server would not have imported them), the server is also made to import
+# _worker/_fresh_torch_generator.py and _fresh_numpy_generator.py, which
+# reseed each of its children at once after the fork, before anything of the
+# user's runs there (a spawned worker's import of the user's main module).
+# Python's random reseeds itself after a fork.
+
+
+def _preloads_torch(users: list[str]) -> bool:
+    """Whether Python's own forkserver, with the user's preload list, would
+    import torch before its workers fork.  A module named besides __main__ is
+    taken to (users preload what their workers need, torch first); __main__
+    only where this Python preloads it at all (3.14, and 3.13 since
+    gh-126631; until then each worker imports it after its fork) and it is a
+    script or module of its own (a training script imports torch)."""
+    if any(name != "__main__" for name in users):
+        return True
+    if "__main__" not in users or not _PRELOADS_MAIN:
+        return False
+    main = sys.modules.get("__main__")
+    return (
+        getattr(main, "__file__", None) is not None or getattr(main, "__spec__", None) is not None
+    )
+
+
+def _preloads_numpy_random(users: list[str]) -> bool:
+    """Whether Python's own forkserver, with the user's preload list, would
+    import numpy.random (its global generator made) before its workers fork:
+    where the list names it, or, with a numpy before 2 (which imports it
+    with numpy, as torch imports numpy), where it imports numpy or torch."""
+    if "numpy.random" in users:
+        return True
+    return _NUMPY_IMPORTS_RANDOM and ("numpy" in users or _preloads_torch(users))
+
+
+def _names_in(code) -> set[str]:
+    """The strings among a code object's constants, nested ones included."""
+    names = set()
+    for const in code.co_consts:
+        if isinstance(const, str):
+            names.add(const)
+        elif isinstance(const, frozenset | tuple):
+            names.update(c for c in const if isinstance(c, str))
+        elif hasattr(const, "co_consts"):
+            names |= _names_in(const)
+    return names
+
+
+# Whether Python's forkserver preloads __main__ when asked to: until
+# gh-126631 it looked for a key ("main_path") that the preparation data no
+# longer had, and never did.
+_PRELOADS_MAIN = bool(
+    {"init_main_from_path", "init_main_from_name"}
+    & _names_in(forkserver.ForkServer.ensure_running.__code__)
+)
+
+
+# numpy 2 imports numpy.random at its first use, numpy 1 with numpy.
+_NUMPY_IMPORTS_RANDOM = int(np.__version__.split(".")[0]) < 2
 
 
 class _Popen(popen_forkserver.Popen):

@@ -20,6 +20,8 @@ This module starts the worker and runs its loop; the rest of the worker side
     _batch.py     a whole batch
     _rows.py      fetch="sample": a batch's rows, the first batch's probe
     _state.py     the worker's state each batch carries (resuming)
+    _fresh_*_generator.py  fresh global generators in each worker forked from
+                  some of shmloader's servers (imported by those only)
 
 The messages both ways, and what each field holds: see _protocol.py.  Worker
 code imports nothing of the main process's side (shmloader/_main/,

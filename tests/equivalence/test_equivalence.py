@@ -593,6 +593,96 @@ def test_worker_info_and_seed_fields():
         assert batch["seed"] == batch["initial_seed"]
 
 
+# A training script whose dataset draws from torch's and numpy's global generators as it is
+# unpickled in a worker, before the worker's seeding; with SEED_AT_IMPORT set, the script
+# seeds both at module level, which a spawned worker runs again as it imports the script;
+# with PRELOAD_TORCH set, it has the forkserver preload torch.
+_DRAWS_BEFORE_SEEDING = """
+import json, os, sys
+import numpy as np
+import torch
+import torch.utils.data as tud
+import shmloader
+
+if os.environ.get("SEED_AT_IMPORT"):
+    torch.manual_seed(7)
+    np.random.seed(7)
+if os.environ.get("PRELOAD_TORCH"):
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["__main__", "torch"])
+
+
+class Drawn(tud.Dataset):
+    def __init__(self):
+        self.draws = None
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.draws = [float(torch.rand(())), float(np.random.rand())]
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return torch.tensor(self.draws, dtype=torch.float64)
+
+
+if __name__ == "__main__":
+    out = {}
+    for name, cls in (("torch", tud.DataLoader), ("shmloader", shmloader.DataLoader)):
+        loader = cls(Drawn(), batch_size=1, num_workers=2, multiprocessing_context=sys.argv[1])
+        out[name] = [batch[0].tolist() for batch in loader]
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize(
+    "method, seed_at_import, preload_torch",
+    [
+        ("spawn", False, False),
+        ("spawn", True, False),
+        ("forkserver", False, False),
+        ("forkserver", True, False),
+        ("forkserver", False, True),
+    ],
+)
+def test_draws_before_the_workers_seeding_are_torchs(
+    tmp_path, method, seed_at_import, preload_torch
+):
+    """What a worker draws from torch's and numpy's global generators before torch's seeding
+    (its dataset's unpickling): under spawn (and a forkserver that preloads no torch) each of
+    torch's workers is a fresh process, so its draws are its own; shmloader's fork from a
+    server that has imported torch and numpy, and must draw as fresh processes do, not the
+    server's values, the same in every worker.  Where the user's forkserver preloads torch,
+    torch's workers all start from its server's state, and shmloader's from its own server's
+    (the same draws in every worker, in both).  A script that seeds at module level makes
+    the draws torch's exactly (a spawned worker runs that seeding as it imports the script,
+    so the reseeding after the fork must come first)."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "draws.py"
+    script.write_text(_DRAWS_BEFORE_SEEDING)
+    env = {
+        **os.environ,
+        "SEED_AT_IMPORT": "1" if seed_at_import else "",
+        "PRELOAD_TORCH": "1" if preload_torch else "",
+    }
+    done = subprocess.run(
+        [sys.executable, str(script), method], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    for name, draws in out.items():  # workers 0, 1, 0, 1: each worker's dataset drew once
+        assert draws[0] == draws[2] and draws[1] == draws[3], (name, draws)
+    shared = {name: draws[0] == draws[1] for name, draws in out.items()}
+    assert shared["shmloader"] == shared["torch"], out
+    if seed_at_import:
+        assert out["shmloader"] == out["torch"]
+
+
 # --------------------------------------------------------------------------- epochs with a break
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("slot_bytes", [None, 1 << 16], ids=["sized-later", "ring"])
