@@ -103,12 +103,14 @@ def _slot_leaf(number):
 
 
 class _RefPickler(ForkingPickler):
-    def __init__(self, file):
+    def __init__(self, file, owns):
         # Leaves that are not placed are pickled as torch's transport pickles
         # them: ForkingPickler's default protocol (under protocol 5 a
         # read-only numpy array would arrive read-only; torch's arrives
         # writable).
         super().__init__(file)
+        self._owns = owns
+        self._copy = None  # the last copy made of a leaf, pickled in its place
         self.leaves = []  # slot leaves in the order met (the memo asks once per object)
         self.fallback_leaves = 0
 
@@ -116,11 +118,29 @@ class _RefPickler(ForkingPickler):
         if is_slot_tensor(obj) or is_slot_ndarray(obj):
             self.leaves.append(obj)
             return _slot_leaf, (len(self.leaves) - 1,)
-        if isinstance(obj, (torch.Tensor, np.ndarray)):
+        if isinstance(obj, (torch.Tensor, np.ndarray)) and obj is not self._copy:
             # CUDA, sparse, nested, subclass or object arrays: torch's own
             # pickling path carries them.
             self.fallback_leaves += 1
+            if _owned(obj, self._owns):
+                # A view of the slot (a tensor subclass stacked there, say):
+                # torch's pickling would move the whole slot's storage into
+                # shared memory of its own, under the worker's later batches.
+                self._copy = obj.clone()
+                return _identity, (self._copy,)
         return NotImplemented
+
+
+def _owned(obj, owns) -> bool:
+    """Whether `obj` is a tensor that views memory owns() is true of."""
+    return (
+        owns is not None
+        and isinstance(obj, torch.Tensor)
+        and obj.layout == torch.strided
+        and obj.device.type == "cpu"
+        and not obj.is_nested
+        and owns(obj)
+    )
 
 
 def _with_refs(
@@ -130,14 +150,16 @@ def _with_refs(
     return _LENGTHS.pack(len(head), len(batch_pickle)) + head + batch_pickle + (worker_state or b"")
 
 
-def dumps(batch, place_all, samples: int, worker_state: bytes | None = None) -> bytes:
+def dumps(batch, place_all, samples: int, worker_state: bytes | None = None, owns=None) -> bytes:
     """The metadata of `batch`: its slot-able leaves (dense CPU tensors and
     numeric numpy arrays) become the references place_all(leaves) gives for
     them, after the batch is pickled; then (how many tensor-like leaves could
     not be placed and travel through torch's pickling instead, samples in the
-    batch, the worker's state after the batch (see _worker/_state.py) or None)."""
+    batch, the worker's state after the batch (see _worker/_state.py) or None).
+    Leaves that torch's pickling carries are copied first where owns(tensor)
+    is true (they view a slot; owns may be None)."""
     buf = io.BytesIO()
-    pickler = _RefPickler(buf)
+    pickler = _RefPickler(buf, owns)
     pickler.dump(batch)
     refs = place_all(pickler.leaves)
     return _with_refs(refs, pickler.fallback_leaves, samples, worker_state, buf.getvalue())
@@ -175,14 +197,15 @@ class _DetachPickler(ForkingPickler):
     def __init__(self, file, owns):
         super().__init__(file)  # torch's protocol, as in _RefPickler
         self._owns = owns
+        self._copy = None  # the last copy made of a tensor, pickled in its place
         self.shared_bytes = 0  # of the storages torch's transport shares, not pickles
         self._shared = set()
 
     def reducer_override(self, obj):
-        if type(obj) is not torch.Tensor:
+        if not isinstance(obj, torch.Tensor) or obj is self._copy:
             return NotImplemented
-        if self._owns is not None and self._owns(obj):
-            obj = obj.clone()
+        if _owned(obj, self._owns):
+            self._copy = obj = obj.clone()
             self._count(obj)
             return _identity, (obj,)
         self._count(obj)

@@ -312,9 +312,9 @@ class Measure:
         return refs
 
 
-def slot_bytes_needed(batch) -> int:
+def slot_bytes_needed(batch, owns=None) -> int:
     measure = Measure()
-    meta = _layout.dumps(batch, measure.place_all, 0)
+    meta = _layout.dumps(batch, measure.place_all, 0, owns=owns)
     return aligned(measure.used) + len(meta)
 
 

@@ -70,7 +70,9 @@ def _publish(ctx: TaskContext, arena, slot, task_id, data, samples, state) -> bo
     already, or go there now) and publish it.  False where it does not
     fit, or cannot be pickled: the pipe's path decides then."""
     try:
-        meta_off, meta_len = arena.write_meta(_layout.dumps(data, arena.place_all, samples, state))
+        meta_off, meta_len = arena.write_meta(
+            _layout.dumps(data, arena.place_all, samples, state, arena.owns)
+        )
     except Exception:
         return False  # SlotFull, or something unpicklable
     assert ctx.mapped is not None  # the arena is one of its slots
@@ -88,7 +90,8 @@ def _unslotted(ctx: TaskContext, arena, slot, task_id, data, samples, state):
     # the ring to make (or to make when the next epoch starts: this one
     # outgrew it).
     measured = slot == MEASURE or (slot >= 0 and ctx.cfg.measures_spills)
-    needed = _slot_bytes_needed(data, state)
+    owns = arena.owns if arena is not None else None  # (the slot's views are copied out)
+    needed = _slot_bytes_needed(data, state, owns)
     if needed:
         try:
             # (A little room beyond the measure: the metadata's pickle
@@ -100,6 +103,7 @@ def _unslotted(ctx: TaskContext, arena, slot, task_id, data, samples, state):
                 state,
                 needed + 4096,
                 STATE_BYTES if ctx.snapshots else 0,
+                owns,
             )
         except OSError as e:  # no memory for it
             ctx.give_back(slot)
@@ -123,8 +127,7 @@ def _unslotted(ctx: TaskContext, arena, slot, task_id, data, samples, state):
         # tensors stacked into the slot are copied out, since the slot is
         # given back below and may be refilled at once.
         reply, shared_bytes = _layout.dumps_detached(
-            Batch.wire(task_id, reason, data, needed, samples, state),
-            arena.owns if arena is not None else None,
+            Batch.wire(task_id, reason, data, needed, samples, state), owns
         )
     except Exception as e:
         reply, shared_bytes = ErrorReply.wire(task_id, ctx.batch_error(e), None), 0
@@ -135,11 +138,11 @@ def _unslotted(ctx: TaskContext, arena, slot, task_id, data, samples, state):
     return reply
 
 
-def _slot_bytes_needed(data, state) -> int:
+def _slot_bytes_needed(data, state, owns) -> int:
     """The bytes `data` and the worker's state would take in a slot, or 0
     where the batch cannot be measured (torch's pickling decides on it)."""
     try:
-        needed = slot_bytes_needed(data)
+        needed = slot_bytes_needed(data, owns)
     except Exception:
         return 0
     if state is not None:  # a state beyond the room kept for it

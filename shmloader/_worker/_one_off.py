@@ -30,7 +30,7 @@ from .._shm._segment import new_segment
 from ._arena import Arena
 
 
-def write(task_id: int, data, samples: int, state, nbytes: int, reserve: int) -> Ring:
+def write(task_id: int, data, samples: int, state, nbytes: int, reserve: int, owns=None) -> Ring:
     """A one-slot segment of `nbytes` (+ `reserve` for the worker's state)
     holding `data`, published as task `task_id`.  OSError when its memory
     cannot be reserved; SlotFull or the batch's own pickling error when it
@@ -43,7 +43,9 @@ def write(task_id: int, data, samples: int, state, nbytes: int, reserve: int) ->
     arena = Arena(
         memory, torch.frombuffer(memory, dtype=torch.uint8).untyped_storage(), reserve=reserve
     )
-    meta_off, meta_len = arena.write_meta(_layout.dumps(data, arena.place_all, samples, state))
+    meta_off, meta_len = arena.write_meta(
+        _layout.dumps(data, arena.place_all, samples, state, owns)
+    )
     segment.publish(slot, task_id, meta_off, meta_len)
     return segment
 
