@@ -357,7 +357,14 @@ class SlotCollate:
         if not stacks_into_slot(elem):
             return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
         try:
-            return torch.stack(batch, 0) if self.arena is None else self.arena.stack(batch)
+            if self.arena is None:
+                # Into a tensor of the first sample's dtype and a contiguous
+                # layout, as torch's collate in a worker stacks (into shared
+                # memory, which this batch gets a copy in): a plain stack
+                # would promote mixed dtypes and keep channels_last.
+                out = torch.empty((len(batch), *elem.shape), dtype=elem.dtype)
+                return torch.stack(batch, 0, out=out)
+            return self.arena.stack(batch)
         except (TypeError, RuntimeError):
             # torch's collate in a worker first counts every sample's
             # elements: a sample that is no tensor (None) fails there, with

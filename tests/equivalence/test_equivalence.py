@@ -593,6 +593,59 @@ def test_worker_info_and_seed_fields():
         assert batch["seed"] == batch["initial_seed"]
 
 
+# --------------------------------------------------------------------------- how samples stack
+# Batches made before the ring is sized (slot_bytes=None), and while every slot is held (a ring
+# of 3 slots, every batch kept): both are stacked in the worker's own memory, not in a slot.
+OUTSIDE_AND_IN_THE_RING = pytest.mark.parametrize(
+    "ring", [dict(), dict(slot_bytes=1 << 16, num_slots=3)], ids=["sized-later", "ring-full"]
+)
+
+
+@OUTSIDE_AND_IN_THE_RING
+@pytest.mark.parametrize(
+    "dtypes",
+    [(torch.float32, torch.float64), (torch.uint8, torch.int64), (torch.int64, torch.float32)],
+    ids=str,
+)
+def test_samples_of_mixed_dtypes_stack_as_torchs_workers_do(dtypes, ring):
+    """torch's collate in a worker stacks into a tensor of the first sample's dtype: 300 wraps
+    to 44 in uint8, float64 rounds to float32, and float32 samples after an int64 one fail to
+    cast.  A plain torch.stack would promote instead."""
+
+    def go(cls, **kw):
+        return each_next(cls(D.MixedDtypeMap(dtypes=dtypes), batch_size=2, **W2, **kw))
+
+    D.assert_same(go(TorchDataLoader), go(ShmDataLoader, **ring))
+
+
+@OUTSIDE_AND_IN_THE_RING
+def test_channels_last_samples_stack_into_contiguous_batches(ring):
+    """torch's collate in a worker stacks into a contiguous tensor, whatever the samples'
+    memory format: a plain torch.stack of channels_last samples would keep their strides."""
+
+    def go(cls, **kw):
+        return [b.stride() for b in cls(D.ChannelsLastMap(), batch_size=2, **W2, **kw)]
+
+    assert go(ShmDataLoader, **ring) == go(TorchDataLoader)
+    kw = dict(batch_size=2, **W2)
+    assert_results_same(
+        run(TorchDataLoader, D.ChannelsLastMap, **kw),
+        run(P(ShmDataLoader, **ring), D.ChannelsLastMap, **kw),
+    )
+
+
+@pytest.mark.parametrize("slot_bytes", [None, 1 << 16], ids=["sized-later", "ring"])
+def test_a_tensor_subclass_stacked_in_a_slot_leaves_later_batches_intact(slot_bytes):
+    """A batch stacked into its slot that comes out a tensor subclass (one sample was one)
+    travels through torch's pickling, which would move the slot's whole storage into shared
+    memory of its own: the worker's later batches, written there, never reached the ring, and
+    their slots kept older bytes.  Every batch must be torch's, the subclass's one included."""
+    kw = dict(batch_size=2, **W2)
+    t = run(TorchDataLoader, D.SubclassSampleMap, **kw)
+    assert_results_same(t, run(P(ShmDataLoader, slot_bytes=slot_bytes), D.SubclassSampleMap, **kw))
+    assert type(t.epochs[0][11]) is D.MarkedTensor  # (sample 23: the case is real)
+
+
 # A training script whose dataset draws from torch's and numpy's global generators as it is
 # unpickled in a worker, before the worker's seeding; with SEED_AT_IMPORT set, the script
 # seeds both at module level, which a spawned worker runs again as it imports the script;

@@ -416,6 +416,50 @@ class SparseMap(SizedMap):
         return {"sparse": sp, "dense": torch.tensor([i, i])}
 
 
+class MixedDtypeMap(SizedMap):
+    """Samples whose tensor alternates between two dtypes (`dtypes`), holding a value (300)
+    that the narrower of them cannot: torch's collate in a worker stacks into a tensor of the
+    first sample's dtype (casting, or failing where it cannot), not torch.stack's promotion."""
+
+    n = 24
+
+    def __init__(self, n=None, dtypes=(torch.float32, torch.float64)):
+        super().__init__(n)
+        self.dtypes = dtypes
+
+    def __getitem__(self, i):
+        return torch.tensor([i + 0.5, 300.0]).to(self.dtypes[i % 2])
+
+
+class ChannelsLastMap(SizedMap):
+    """4-D channels_last samples (a clip of frames): torch's collate in a worker stacks them
+    into a contiguous batch."""
+
+    n = 16
+
+    def __getitem__(self, i):
+        return torch.full((2, 3, 4, 5), float(i)).contiguous(memory_format=torch.channels_last)
+
+
+class MarkedTensor(torch.Tensor):
+    """A tensor subclass with torch's default __torch_function__: what it stacks with is one."""
+
+
+class SubclassSampleMap(SizedMap):
+    """Sample `marked` is a MarkedTensor, the others plain: the batch holding it is stacked
+    into a MarkedTensor (into the slot first), which only torch's pickling carries."""
+
+    n = 64
+
+    def __init__(self, n=None, marked=23):
+        super().__init__(n)
+        self.marked = marked
+
+    def __getitem__(self, i):
+        t = torch.full((4,), float(i))
+        return t.as_subclass(MarkedTensor) if i == self.marked else t
+
+
 class WorkerStateMap(SizedMap):
     """Samples expose what worker_init_fn did: a module global and an attribute it set on the
     worker's copy of the dataset."""
