@@ -72,7 +72,9 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         init_as_torch(super().__init__, loader)  # its warnings are torch's
         self._prefetch_factor = loader.prefetch_factor
         _torch_api.check_iterator(self)
-        _torch_api.check_prefetch_factor(self._prefetch_factor)  # after the same draws
+        # After the same draws (a negative num_workers, set since the loader
+        # was made, would otherwise start no worker and end the epoch at once).
+        _torch_api.check_workers_and_prefetch(self._num_workers, self._prefetch_factor)
         loader._take_resume()  # this iterator resumes it
         if resume is not None:
             self._base_seed = resume.settle_base_seed(

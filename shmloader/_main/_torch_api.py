@@ -113,8 +113,10 @@ def _constant(function, prefix: str) -> str | None:
 
 _MP_ITER = _dataloader._MultiProcessingDataLoaderIter
 
-# The AssertionError torch raises for prefetch_factor <= 0 as its iterator
-# starts: with this message (a later torch), or a bare assert's (None).
+# The AssertionErrors torch raises for num_workers or prefetch_factor <= 0
+# (set after the loader was made) as its workers' iterator starts: with these
+# messages (a later torch), or a bare assert's (None).
+NUM_WORKERS_MESSAGE = _constant(_MP_ITER.__init__, "num_workers must be")
 PREFETCH_FACTOR_MESSAGE = _constant(_MP_ITER.__init__, "prefetch_factor must be")
 # The warning torch gives when a worker's arguments cannot be pickled (None:
 # this torch gives none).
@@ -128,14 +130,19 @@ TOO_MANY_FILES = _constant(_MP_ITER._try_get_data, "Too many open files") or (
 IN_ORDER_FALSE_CAPS_EACH_WORKER = "_workers_num_tasks" in _MP_ITER._try_put_index.__code__.co_names
 
 
-def check_prefetch_factor(prefetch_factor) -> None:
-    """torch's check as its workers' iterator starts, which compares in
+def check_workers_and_prefetch(num_workers, prefetch_factor) -> None:
+    """torch's checks as its workers' iterator starts, which compare in
     either order (a None left from num_workers=0 fails in the comparison,
     whose TypeError names the operator)."""
-    if PREFETCH_FACTOR_MESSAGE is not None:
-        if prefetch_factor <= 0:
-            raise AssertionError(PREFETCH_FACTOR_MESSAGE)
-    elif not prefetch_factor > 0:
+    _check_positive(num_workers, NUM_WORKERS_MESSAGE)
+    _check_positive(prefetch_factor, PREFETCH_FACTOR_MESSAGE)
+
+
+def _check_positive(value, message: str | None) -> None:
+    if message is not None:
+        if value <= 0:
+            raise AssertionError(message)
+    elif not value > 0:
         raise AssertionError()
 
 

@@ -1098,6 +1098,21 @@ def test_prefetch_factor_set_after_construction_fails_like_torch(prefetch_factor
     assert results[0] == results[1], f"torch raised {results[0]}, shm raised {results[1]}"
 
 
+@pytest.mark.parametrize("made_with", [0, 2])
+def test_negative_num_workers_set_after_construction_fails_like_torch(made_with):
+    """torch checks num_workers > 0 when the workers' iterator starts, before prefetch_factor
+    (None where the loader was made with num_workers=0): with -1, shmloader's started no
+    worker and its epoch ended at once, empty."""
+    results = []
+    for cls in (TorchDataLoader, ShmDataLoader):
+        loader = cls(D.IndexMap(6), batch_size=2, num_workers=made_with)
+        loader.num_workers = -1
+        with pytest.raises(Exception) as info:
+            list(loader)
+        results.append((info.type, str(info.value)))
+    assert results[0] == results[1], f"torch raised {results[0]}, shm raised {results[1]}"
+
+
 def test_collate_fn_set_to_none_after_construction_fails_like_torch():
     """torch's workers call whatever collate_fn is at iter(), None included; shmloader's
     slot collate stands in for default_collate only."""
