@@ -110,7 +110,6 @@ class _RefPickler(ForkingPickler):
         # writable).
         super().__init__(file)
         self._owns = owns
-        self._copy = None  # the last copy made of a leaf, pickled in its place
         self.leaves = []  # slot leaves in the order met (the memo asks once per object)
         self.fallback_leaves = 0
 
@@ -118,29 +117,30 @@ class _RefPickler(ForkingPickler):
         if is_slot_tensor(obj) or is_slot_ndarray(obj):
             self.leaves.append(obj)
             return _slot_leaf, (len(self.leaves) - 1,)
-        if isinstance(obj, (torch.Tensor, np.ndarray)) and obj is not self._copy:
+        if isinstance(obj, (torch.Tensor, np.ndarray)):
             # CUDA, sparse, nested, subclass or object arrays: torch's own
             # pickling path carries them.
             self.fallback_leaves += 1
-            if _owned(obj, self._owns):
-                # A view of the slot (a tensor subclass stacked there, say):
-                # torch's pickling would move the whole slot's storage into
-                # shared memory of its own, under the worker's later batches.
-                self._copy = obj.clone()
-                return _identity, (self._copy,)
+            _move_out_of_slot(obj, self._owns)
         return NotImplemented
 
 
-def _owned(obj, owns) -> bool:
-    """Whether `obj` is a tensor that views memory owns() is true of."""
-    return (
+def _move_out_of_slot(obj, owns) -> None:
+    """Give a tensor that views memory owns() is true of (a slot: a tensor
+    subclass stacked there, say) a copy of its bytes to view instead, before
+    torch's pickling shares its storage: that would move the whole slot's
+    storage into shared memory of its own, under the worker's later batches.
+    The tensor stays the same object (its class, attributes, requires_grad and
+    leafness are torch's to pickle); only its data is swapped."""
+    if (
         owns is not None
         and isinstance(obj, torch.Tensor)
         and obj.layout == torch.strided
         and obj.device.type == "cpu"
         and not obj.is_nested
         and owns(obj)
-    )
+    ):
+        obj.data = obj.detach().clone()
 
 
 def _with_refs(
@@ -189,26 +189,17 @@ def dumps_refs(structure, ref_of, samples: int) -> bytes:
     return _with_refs(pickler.refs, 0, samples, None, buf.getvalue())
 
 
-def _identity(obj):
-    return obj
-
-
 class _DetachPickler(ForkingPickler):
     def __init__(self, file, owns):
         super().__init__(file)  # torch's protocol, as in _RefPickler
         self._owns = owns
-        self._copy = None  # the last copy made of a tensor, pickled in its place
         self.shared_bytes = 0  # of the storages torch's transport shares, not pickles
         self._shared = set()
 
     def reducer_override(self, obj):
-        if not isinstance(obj, torch.Tensor) or obj is self._copy:
-            return NotImplemented
-        if _owned(obj, self._owns):
-            self._copy = obj = obj.clone()
+        if isinstance(obj, torch.Tensor):
+            _move_out_of_slot(obj, self._owns)
             self._count(obj)
-            return _identity, (obj,)
-        self._count(obj)
         return NotImplemented
 
     def _count(self, tensor) -> None:
