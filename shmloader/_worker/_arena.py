@@ -19,6 +19,8 @@ of a dataset-sized tensor for a sample sliced from it).
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
@@ -131,6 +133,9 @@ class Arena:
         # _storage_key -> [first, end) bytes that its views span together
         self._shared: dict[int, tuple[int, int]] = {}
         self._copies: dict[int, int] = {}  # _storage_key -> slot offset of the copy of those bytes
+        self._tensors: list[tuple[int, int]] = []  # [start, end) of each tensor() made, in order
+        # id(leaf) -> (offset, bytes) of the tensor() that it and other leaves view
+        self._tensor_shared: dict[int, tuple[int, int]] = {}
 
     def _alloc(self, nbytes: int, capacity: int | None = None) -> int:
         capacity = self._data_capacity if capacity is None else capacity
@@ -144,7 +149,9 @@ class Arena:
         """An uninitialised tensor living in the slot."""
         if stride is None:
             stride = torch.empty(shape, dtype=dtype, device="meta").stride()
-        offset = self._alloc(_layout.span_elements(shape, stride) * dtype.itemsize)
+        nbytes = _layout.span_elements(shape, stride) * dtype.itemsize
+        offset = self._alloc(nbytes)
+        self._tensors.append((offset, offset + nbytes))
         return torch.empty((0,), dtype=dtype).set_(
             self._storage, offset // dtype.itemsize, shape, stride
         )
@@ -176,10 +183,25 @@ class Arena:
 
     def _note_shared_storages(self, leaves) -> None:
         """Note the storages that several of the leaves view, and the bytes
-        they span together, before place() meets them one by one."""
+        they span together, before place() meets them one by one; and the
+        tensors stacked in the slot that several leaves view (a collate
+        function's x and x[0]): torch's transport gives such leaves one
+        storage, so that a write through one shows through the others."""
+        owned = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and self.owns(leaf)]
         self._shared = shared_spans(
             leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and not self.owns(leaf)
         )
+        self._tensor_shared = {}
+        if len(owned) > 1:
+            starts = [start for start, _ in self._tensors]
+            views: dict[int, list[int]] = {}
+            for leaf in owned:
+                start, _ = _byte_range(leaf)
+                views.setdefault(bisect.bisect_right(starts, start) - 1, []).append(id(leaf))
+            for made, ids in views.items():
+                if len(ids) > 1:
+                    start, end = self._tensors[made]
+                    self._tensor_shared.update(dict.fromkeys(ids, (start, end - start)))
 
     def place(self, leaf):
         """The slot reference for `leaf`, copying it into the slot if needed."""
@@ -197,7 +219,8 @@ class Arena:
             reduce_tensor(leaf)  # raises torch's error: its pickling refuses such a tensor
         storage = None  # (offset, size) of the bytes it shares with other leaves
         if self.owns(leaf):
-            leaf_ref = leaf  # stacked by SlotCollate, apart from every other leaf
+            leaf_ref = leaf  # stacked by SlotCollate
+            storage = self._tensor_shared.get(id(leaf))
         elif (
             key := _storage_key(leaf := _as_torch_sends(leaf))
         ) in self._shared or _spans_its_storage(leaf):
@@ -344,27 +367,29 @@ class SlotCollate:
         fn_map = dict(default_collate_fn_map)
         if fn_map.get(torch.Tensor) is collate_tensor_fn:
             fn_map[torch.Tensor] = self._collate_tensor
-        try:
-            return collate(batch, collate_fn_map=fn_map)
-        except SlotFull:
-            # The batch outgrew the slot: deliver it whole outside the ring
-            # (the caller notices arena is None and counts a spill).
-            self.arena = None
-            return collate(batch, collate_fn_map=fn_map)
+        return collate(batch, collate_fn_map=fn_map)
 
     def _collate_tensor(self, batch, *, collate_fn_map=None):
         elem = batch[0]
         if not stacks_into_slot(elem):
             return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
         try:
-            if self.arena is None:
-                # Into a tensor of the first sample's dtype and a contiguous
-                # layout, as torch's collate in a worker stacks (into shared
-                # memory, which this batch gets a copy in): a plain stack
-                # would promote mixed dtypes and keep channels_last.
-                out = torch.empty((len(batch), *elem.shape), dtype=elem.dtype)
-                return torch.stack(batch, 0, out=out)
-            return self.arena.stack(batch)
+            if self.arena is not None:
+                try:
+                    return self.arena.stack(batch)
+                except SlotFull:
+                    # The batch outgrew the slot: it is delivered whole outside
+                    # the ring (the caller notices arena is None and counts a
+                    # spill), the rest of it stacked here.  Not collated again
+                    # from its start: the user's collate functions would run
+                    # twice (and draw twice from the RNGs).
+                    self.arena = None
+            # Into a tensor of the first sample's dtype and a contiguous
+            # layout, as torch's collate in a worker stacks (into shared
+            # memory, which this batch gets a copy in): a plain stack would
+            # promote mixed dtypes and keep channels_last.
+            out = torch.empty((len(batch), *elem.shape), dtype=elem.dtype)
+            return torch.stack(batch, 0, out=out)
         except (TypeError, RuntimeError):
             # torch's collate in a worker first counts every sample's
             # elements: a sample that is no tensor (None) fails there, with
