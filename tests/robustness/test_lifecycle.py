@@ -901,6 +901,55 @@ BACKGROUND_THREAD_AT_EXIT_SCRIPT = textwrap.dedent("""
 """)
 
 
+_TWO_THREADS = """
+import threading
+from shmloader import DataLoader
+
+
+def one_round(errors, keep):
+    first = DataLoader(list(range(8)), batch_size=2, num_workers=2)
+    list(first)
+    keep.append(first)  # its epoch is over, its workers left to exit; the loader lives on
+    loaders = [DataLoader(list(range(10)), batch_size=2, num_workers=1) for _ in range(2)]
+    barrier = threading.Barrier(2)
+
+    def iterate(loader):
+        barrier.wait()
+        try:
+            assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+        except BaseException as e:
+            errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=iterate, args=(loader,)) for loader in loaders]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+        assert not thread.is_alive(), "a thread's loader hung"
+
+
+if __name__ == "__main__":
+    errors, keep = [], []
+    for _ in range(6):
+        one_round(errors, keep)
+    print(errors)
+"""
+
+
+def test_loaders_starting_in_two_threads_at_once_each_start_cleanly(tmp_path):
+    """Loaders iterated from threads (a validation loader in a thread of its own): after an
+    epoch whose workers were left to exit, two threads start loaders at the same moment, and
+    each start reaps the workers left before.  Both reaped the same ones ("process object is
+    closed", in 2 to 5 rounds of 5), where torch's loader raises nothing."""
+    script = tmp_path / "two_threads.py"
+    script.write_text(_TWO_THREADS)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 @pytest.mark.slow
 def test_a_background_thread_iterating_at_exit_leaves_multiprocessing_its_exit():
     """The main thread returns while a daemon thread iterates: multiprocessing's exit
