@@ -411,7 +411,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     # torch arguments, so a shmloader loader handed to it would silently lose
     # the ring and its options.  The first thing Accelerator.prepare_data_loader
     # reads of a loader is `_is_accelerate_prepared` (whether it was prepared
-    # already); nothing else reads that name.  Read here outside
+    # already).  Read by Accelerate's own code (not by a tool that lists every
+    # attribute, inspect.getmembers say) outside
     # shmloader.integrations.accelerate, it says the user took the plain path:
     # they are told, once per loader, the one line to change.
     # shmloader.integrations.accelerate lets the preparation run and puts a
@@ -420,7 +421,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     # save_state() are its own.
     @property
     def _is_accelerate_prepared(self) -> bool:
-        if not preparing_for_ring.get() and not self.__dict__.get("_told_ring_bypassed"):
+        reader = sys._getframe(1).f_globals.get("__name__", "")
+        if (
+            reader.partition(".")[0] == "accelerate"
+            and not preparing_for_ring.get()
+            and not self.__dict__.get("_told_ring_bypassed")
+        ):
             self.__dict__["_told_ring_bypassed"] = True
             defaults = inspect.signature(DataLoader.__init__).parameters
             changed = [

@@ -112,6 +112,23 @@ def test_plain_prepare_warns_once_at_the_users_line():
     assert type(prepared.base_dataloader) is torch.utils.data.DataLoader
 
 
+def test_listing_a_loaders_attributes_does_not_warn():
+    """Only Accelerate's reading of _is_accelerate_prepared means the plain path: a tool that
+    lists every attribute (inspect.getmembers, a debugger, pydoc) reads it too, and must not
+    be told about Accelerate; the loader's later plain prepare is still told."""
+    import inspect
+
+    loader = DataLoader(Squares(), batch_size=2, num_workers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inspect.getmembers(loader)
+        assert hasattr(loader, "_is_accelerate_prepared")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accelerate.Accelerator(cpu=True).prepare(loader)
+    assert [w.category for w in caught] == [RingBypassedWarning]
+
+
 def test_supported_path_is_silent_and_passes_through_prepare():
     accelerator = accelerate.Accelerator(cpu=True)
     loader = DataLoader(Squares(), batch_size=2, num_workers=2, num_slots=9, fetch="sample")
