@@ -206,7 +206,9 @@ class _SpawnPopen(_Popen):
     method = "spawn"
 
 
-class _Process(process.BaseProcess):
+# Named as Python's own: a process's default name is its class's ("SpawnProcess-3",
+# what logging's %(processName)s shows in a worker).
+class ForkServerProcess(process.BaseProcess):
     _start_method = "forkserver"
 
     @staticmethod
@@ -214,7 +216,7 @@ class _Process(process.BaseProcess):
         return _Popen(process_obj)
 
 
-class _SpawnProcess(process.BaseProcess):
+class SpawnProcess(process.BaseProcess):
     _start_method = "spawn"
 
     @staticmethod
@@ -223,11 +225,11 @@ class _SpawnProcess(process.BaseProcess):
 
 
 class _Context(context.ForkServerContext):
-    Process = _Process  # type: ignore[assignment]
+    Process = ForkServerProcess  # type: ignore[assignment]
 
 
 class _SpawnContext(context.SpawnContext):
-    Process = _SpawnProcess  # type: ignore[assignment]
+    Process = SpawnProcess  # type: ignore[assignment]
 
 
 _CONTEXTS = {"forkserver": _Context(), "spawn": _SpawnContext()}

@@ -26,6 +26,7 @@ import torch
 import torch.utils.data as tud
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from torch.utils.data._utils.collate import collate
 
 from shmloader import DataLoader as ShmDataLoader
 from shmloader._main import _torch_api
@@ -644,6 +645,20 @@ def test_a_tensor_subclass_stacked_in_a_slot_leaves_later_batches_intact(slot_by
     t = run(TorchDataLoader, D.SubclassSampleMap, **kw)
     assert_results_same(t, run(P(ShmDataLoader, slot_bytes=slot_bytes), D.SubclassSampleMap, **kw))
     assert type(t.epochs[0][11]) is D.MarkedTensor  # (sample 23: the case is real)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_workers_process_names_are_torchs(context):
+    """A worker's process name (logging's %(processName)s) is its start method's class's, as
+    in torch's workers, under shmloader's own servers too."""
+
+    def go(cls):
+        loader = cls(
+            D.ProcessNameMap(), batch_size=None, num_workers=2, multiprocessing_context=context
+        )
+        return list(loader)
+
+    assert go(ShmDataLoader) == go(TorchDataLoader)
 
 
 # A training script whose dataset draws from torch's and numpy's global generators as it is
@@ -1810,6 +1825,106 @@ def test_added_default_collate_fn_map_entry_collates_like_torch(monkeypatch):
     t = run(TorchDataLoader, _ImagesAndPoints, batch_size=4, **FORKED_2)
     s = run(P(ShmDataLoader, slot_bytes=1 << 16), _ImagesAndPoints, batch_size=4, **FORKED_2)
     assert_results_same(t, s)
+
+
+def _collate_points_and_draw(batch, *, collate_fn_map=None):
+    """A collate entry that draws from torch's RNG (a mixing coefficient per sample, say)."""
+    return torch.tensor([point.x for point in batch]), torch.rand(len(batch))
+
+
+class _GrowingWithPoints(tud.Dataset):
+    """64 KiB samples with a _Point each: batches of 8 after batches of 2 outgrow the slots
+    sized from the first ones."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return _Point(i), torch.full((16384,), float(i))
+
+
+def test_a_batch_that_outgrows_its_slot_is_collated_once(monkeypatch):
+    """A batch that outgrows its slot mid-collation is delivered outside the ring without
+    being collated again from its start: a collate entry of the user's (here one that draws
+    from torch's RNG) runs once per batch, as in torch's workers, so the draws stay torch's."""
+    from torch.utils.data._utils.collate import default_collate_fn_map
+
+    monkeypatch.setitem(default_collate_fn_map, _Point, _collate_points_and_draw)
+    batches = [list(range(2 * k, 2 * k + 2)) for k in range(8)]
+    batches += [list(range(16 + 8 * k, 24 + 8 * k)) for k in range(6)]
+    kw = dict(batch_sampler=batches, **FORKED_2)
+    t = run(TorchDataLoader, _GrowingWithPoints, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (shmloader's spill warning)
+        s = run(ShmDataLoader, _GrowingWithPoints, **kw)
+    assert_results_same(t, s)
+
+
+def _collate_points_and_first(batch, *, collate_fn_map=None):
+    """A collate entry that returns a stacked tensor and a view of it."""
+    stacked = collate([point.x for point in batch], collate_fn_map=collate_fn_map)
+    return {"all": stacked, "first": stacked[0]}
+
+
+class _TensorPoints(tud.Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return _Point(torch.full((3,), float(i)))
+
+
+@pytest.mark.parametrize("shm_kw", [{}, {"slot_bytes": 1 << 16}], ids=["sized", "slot_bytes"])
+def test_views_of_a_stacked_tensor_share_its_storage_like_torch(monkeypatch, shm_kw):
+    """A collate entry that returns a tensor stacked into the slot and a view of it: torch's
+    transport gives the two one storage, so that a write through the view shows in the whole;
+    so must the ring, where each leaf stacked in the slot arrived on a storage of its own."""
+    from torch.utils.data._utils.collate import default_collate_fn_map
+
+    monkeypatch.setitem(default_collate_fn_map, _Point, _collate_points_and_first)
+
+    def go(cls):
+        seen = []
+        for batch in cls(_TensorPoints(), batch_size=2, **FORKED_2):
+            batch["first"].add_(100)
+            seen.append(batch["all"][0, 0].item())
+        return seen
+
+    assert go(P(ShmDataLoader, **shm_kw)) == go(TorchDataLoader)
+
+
+class _MetaTensor(torch.Tensor):
+    """A tensor subclass that carries an attribute of its own."""
+
+
+def _collate_points_as_parameter(batch, *, collate_fn_map=None):
+    return torch.nn.Parameter(collate([point.x for point in batch], collate_fn_map=collate_fn_map))
+
+
+def _collate_points_with_meta(batch, *, collate_fn_map=None):
+    stacked = collate([point.x for point in batch], collate_fn_map=collate_fn_map)
+    marked = stacked.as_subclass(_MetaTensor)
+    marked.meta = {"n": len(batch)}
+    return marked
+
+
+@pytest.mark.parametrize("entry", [_collate_points_as_parameter, _collate_points_with_meta])
+def test_a_subclass_over_a_stacked_tensor_arrives_as_torchs(monkeypatch, entry):
+    """A collate entry that wraps the tensor it stacked (in the slot) in a subclass, which
+    torch's pickling carries: it must arrive as torch's does, its class, attributes,
+    requires_grad and leafness kept, its values the batch's (not a later batch's, which a
+    slot moved away by that pickling would give)."""
+    from torch.utils.data._utils.collate import default_collate_fn_map
+
+    monkeypatch.setitem(default_collate_fn_map, _Point, entry)
+
+    def go(cls):
+        return [
+            (type(b), b.requires_grad, b.is_leaf, getattr(b, "meta", None), b.tolist())
+            for b in cls(_TensorPoints(), batch_size=2, **FORKED_2)
+        ]
+
+    assert go(ShmDataLoader) == go(TorchDataLoader)
 
 
 class _ImagesAndPoints(tud.Dataset):

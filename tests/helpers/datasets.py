@@ -460,6 +460,18 @@ class SubclassSampleMap(SizedMap):
         return t.as_subclass(MarkedTensor) if i == self.marked else t
 
 
+class ProcessNameMap(SizedMap):
+    """Sample i: the worker process's name without its number ("SpawnProcess"): what
+    logging's %(processName)s shows."""
+
+    n = 2
+
+    def __getitem__(self, i):
+        import multiprocessing
+
+        return multiprocessing.current_process().name.rsplit("-", 1)[0]
+
+
 class WorkerStateMap(SizedMap):
     """Samples expose what worker_init_fn did: a module global and an attribute it set on the
     worker's copy of the dataset."""
