@@ -1127,8 +1127,11 @@ OWN_FORKSERVER_SCRIPT = textwrap.dedent("""
     parents = {int(p) for batch in loader for p in batch}
     server = _forkserver.own_server()._forkserver_pid
     assert parents == {server}, (parents, server)
+    # (A module named besides __main__ is taken to import torch, and none names numpy.random:
+    # only numpy's generator starts afresh in each worker, NOTE [forkserver: fresh generators].)
     assert _forkserver.own_server()._preload_modules == [
-        "__main__", "json", "torch", "shmloader._worker._loop"]
+        "__main__", "json", "torch", "shmloader._worker._loop",
+        "shmloader._worker._fresh_numpy_generator"]
     # The user's settings: as they left them; their forkserver never started.
     assert forkserver._forkserver._preload_modules == ["__main__", "json"]
     assert forkserver._forkserver._forkserver_pid is None
@@ -1191,7 +1194,9 @@ SPAWN_SERVER_SCRIPT = textwrap.dedent("""
             print(*sorted({pid for pid, _ in rows}), "parents",
                   *sorted({parent for _, parent in rows}), flush=True)
         server = _forkserver.own_server("spawn")
-        assert server._preload_modules == ["torch", "shmloader._worker._loop"]
+        assert server._preload_modules == [
+            "torch", "shmloader._worker._loop", "shmloader._worker._fresh_torch_generator",
+            "shmloader._worker._fresh_numpy_generator"]
         with open(f"/proc/{server._forkserver_pid}/maps") as f:
             assert "libtorch" in f.read()  # imported once, in the server
         # (As it was, or the platform's default where it was unset: torch's loader sets that too.)
