@@ -187,10 +187,12 @@ class Arena:
         tensors stacked in the slot that several leaves view (a collate
         function's x and x[0]): torch's transport gives such leaves one
         storage, so that a write through one shows through the others."""
-        owned = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and self.owns(leaf)]
-        self._shared = shared_spans(
-            leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and not self.owns(leaf)
-        )
+        owned: list[torch.Tensor] = []
+        others: list[torch.Tensor] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                (owned if self.owns(leaf) else others).append(leaf)
+        self._shared = shared_spans(others)
         self._tensor_shared = {}
         if len(owned) > 1:
             starts = [start for start, _ in self._tensors]
