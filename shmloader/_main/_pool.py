@@ -22,7 +22,6 @@ import resource
 import signal
 import socket
 import struct
-import threading
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
@@ -430,8 +429,7 @@ class WorkerPool:
         for conn in self._tasks + self._results:
             conn.close()
         self._exiting = set(range(len(self.processes)))
-        with _leaving_lock:
-            _leaving.append(self)
+        _leaving.append(self)
 
     def reap(self, wait: bool) -> bool:
         """After leave_idle: close the workers that have exited (with wait,
@@ -483,31 +481,29 @@ class WorkerPool:
 
 
 # Pools left at their epochs' ends (WorkerPool.leave_idle), until all their
-# workers are reaped; under a lock, since loaders may start in several threads
-# at once (a validation loader in a thread of its own), and a worker reaped
-# twice fails ("process object is closed").
+# workers are reaped.
 _leaving: list[WorkerPool] = []
-_leaving_lock = threading.Lock()
-
-
-def _fresh_lock_after_fork() -> None:
-    global _leaving_lock
-    _leaving_lock = threading.Lock()  # (another thread may have held it as this process forked)
-
-
-os.register_at_fork(after_in_child=_fresh_lock_after_fork)
 
 
 def reap_leaving(wait: bool = False) -> None:
     """Reap the workers left at epochs' ends that have exited (with wait:
     all of them, as a shutdown waits for its workers)."""
-    with _leaving_lock:
-        _leaving[:] = [
-            pool
-            for pool in _leaving
-            # (a forked child's copy of the list: its parent's workers)
-            if pool.owner_pid == os.getpid() and not pool.reap(wait)
-        ]
+    # Each pool is taken off the list (list.pop, atomic under the GIL) by one
+    # caller alone: loaders may start in several threads at once (a
+    # validation loader in a thread of its own), and a worker reaped twice
+    # fails ("process object is closed").  No lock: a loader's finalizer may
+    # run this from inside another call of it (the GC), where one would
+    # deadlock.
+    taken = []
+    while _leaving:
+        try:
+            taken.append(_leaving.pop())
+        except IndexError:  # (another thread took the last one)
+            break
+    for pool in taken:
+        # (a forked child's copy of the list: its parent's workers)
+        if pool.owner_pid == os.getpid() and not pool.reap(wait):
+            _leaving.append(pool)
 
 
 def send_bytes(conn, data: bytes) -> None:
