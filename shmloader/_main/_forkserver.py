@@ -154,15 +154,14 @@ def _preloads_numpy_random(users: list[str]) -> bool:
 
 
 def _names_in(code) -> set[str]:
-    """The strings among a code object's constants, nested ones included."""
+    """The strings among a code object's constants, those of its set and
+    tuple literals included."""
     names = set()
     for const in code.co_consts:
         if isinstance(const, str):
             names.add(const)
         elif isinstance(const, frozenset | tuple):
             names.update(c for c in const if isinstance(c, str))
-        elif hasattr(const, "co_consts"):
-            names |= _names_in(const)
     return names
 
 
