@@ -99,6 +99,8 @@ def _exit_description(process) -> str:
                 "Please try to raise your shared memory limit."
             )
         return text
+    if code == 0:  # torch's SIGCHLD handler passes it over; its watchdog's words
+        return "exited unexpectedly"
     return (
         f"exited unexpectedly with exit code {code}. Details are lost due to "
         "multiprocessing. Rerunning with num_workers=0 may give better error trace."

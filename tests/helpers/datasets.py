@@ -1306,19 +1306,20 @@ class Failing(SizedMap):
 
 
 class Dying(SizedMap):
-    """Its worker dies at sample `at`: by `signum`, or os._exit(1) for 0."""
+    """Its worker dies at sample `at`: by `signum`, or os._exit(code) for 0."""
 
-    def __init__(self, n, at, signum):
+    def __init__(self, n, at, signum, code=1):
         super().__init__(n)
         self.at = at
         self.signum = signum
+        self.code = code
 
     def __getitem__(self, i):
         if i == self.at:
             if self.signum:
                 os.kill(os.getpid(), self.signum)
                 time.sleep(5)
-            os._exit(1)
+            os._exit(self.code)
         return i
 
 

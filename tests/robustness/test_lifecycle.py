@@ -471,6 +471,21 @@ def test_worker_exit_names_exit_code():
         list(loader)
 
 
+def test_worker_exit_with_code_0_reads_as_torchs():
+    """A worker that ends with exit code 0 mid-epoch (os._exit(0), a SystemExit(0)) has no
+    code to name: torch's SIGCHLD handler passes it over and its watchdog says "exited
+    unexpectedly", and so does shmloader, without "exit code 0. Details are lost"."""
+
+    def message(cls):
+        with pytest.raises(RuntimeError) as e:
+            list(cls(Dying(64, at=20, signum=0, code=0), batch_size=2, num_workers=2))
+        return re.sub(r"\(pid(\(s\))? \d+\)", "(pid N)", str(e.value))
+
+    want = message(torch.utils.data.DataLoader)
+    assert want == "DataLoader worker (pid N) exited unexpectedly"
+    assert message(DataLoader).startswith(want + " (worker "), message(DataLoader)
+
+
 def _open_few_more_files(room, worker_id):
     """worker_init_fn: this worker can open `room` more files (its fd limit is its lowest
     free fd number plus that)."""
