@@ -113,6 +113,7 @@ class _Watch:
 
 
 @pytest.mark.slow
+@pytest.mark.one_mode  # fork, and its batches dropped unread
 def test_many_iterators_partly_consumed_and_dropped():
     loader = DataLoader(Images(64), batch_size=4, num_workers=2, multiprocessing_context="fork")
     rng = random.Random(1)
@@ -133,6 +134,7 @@ def test_many_iterators_partly_consumed_and_dropped():
 
 
 @pytest.mark.slow
+@pytest.mark.one_mode  # fork, and its batches dropped unread
 def test_many_loaders_partly_iterated_and_deleted():
     rng = random.Random(2)
 

@@ -31,7 +31,7 @@ from tests.helpers import ROOT
 from tests.helpers.procs import rearm_hang_guard, run_job
 
 # Builds the C ring with gcc sanitizers and stresses it: deselect with -m "not sanitizers".
-pytestmark = [pytest.mark.sanitizers, pytest.mark.slow]
+pytestmark = [pytest.mark.sanitizers, pytest.mark.slow, pytest.mark.one_mode]
 
 SOURCES = [ROOT / "tests" / "c" / "ring_stress.c", ROOT / "csrc" / "shmring.c"]
 CC = os.environ.get("CC", "gcc")
