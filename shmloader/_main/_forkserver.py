@@ -35,6 +35,7 @@ import io
 import os
 import sys
 import threading
+import weakref
 from multiprocessing import context, forkserver, popen_forkserver, process, reduction, spawn, util
 
 import numpy as np
@@ -72,9 +73,27 @@ _lock = threading.Lock()
 # start method -> (its server, for spawn the environment it was started with)
 _servers: dict[str, tuple[forkserver.ForkServer, dict[str, str] | None]] = {}
 _servers_pid: int | None = None  # the process that owns _servers (not a forked copy)
-# Servers replaced by one of a newer environment: their workers may still run, and a
-# server gone would read to their pools as their deaths, so they live on, idle.
+# Servers replaced by one of a newer environment.  A server gone would read to
+# the pools of the workers forked from it as their deaths (their exit codes
+# come through it), so each lives on while any of those workers' Popen is
+# still held (_forked), and is stopped at the first own_server() after:
+# a process whose environment changes every epoch keeps a few servers, each
+# a process with torch imported, not one per change.
 _replaced: list[forkserver.ForkServer] = []
+_forked: weakref.WeakKeyDictionary[forkserver.ForkServer, weakref.WeakSet] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _connect(popen: _Popen, fds) -> tuple[int, int]:
+    """A new worker's (sentinel, data pipe) from its start method's server,
+    the worker counted as that server's while `popen` lives (one lock for
+    both, so that the server is not stopped in between)."""
+    with _lock:
+        server = _own_server(popen.method)
+        connection = server.connect_to_new_process(fds)
+        _forked.setdefault(server, weakref.WeakSet()).add(popen)
+        return connection
 
 
 def own_server(method: str = "forkserver") -> forkserver.ForkServer:
@@ -83,32 +102,39 @@ def own_server(method: str = "forkserver") -> forkserver.ForkServer:
     made again whenever os.environ has changed since, so that a worker has
     the environment a process spawned now would (variables read as a
     process starts, LD_PRELOAD or MALLOC_*, included)."""
-    global _servers_pid
     with _lock:
-        if _servers_pid != os.getpid():
-            _servers.clear()
-            _replaced.clear()
-            _servers_pid = os.getpid()
-        environment = dict(os.environ) if method == "spawn" else None
-        known = _servers.get(method)
-        if known is not None and known[1] == environment:
-            return known[0]
-        if known is not None:
-            _replaced.append(known[0])
-        users = (
-            getattr(forkserver._forkserver, "_preload_modules", ["__main__"])
-            if method == "forkserver"
-            else []
-        )
-        preload = [*users, *(m for m in _PRELOAD if m not in users)]
-        if method == "spawn" or not _preloads_torch(users):
-            preload.append("shmloader._worker._fresh_torch_generator")
-        if method == "spawn" or not _preloads_numpy_random(users):
-            preload.append("shmloader._worker._fresh_numpy_generator")
-        server = forkserver.ForkServer()
-        server.set_forkserver_preload(preload)
-        _servers[method] = (server, environment)
-        return server
+        return _own_server(method)
+
+
+def _own_server(method: str) -> forkserver.ForkServer:
+    global _servers_pid
+    if _servers_pid != os.getpid():
+        _servers.clear()
+        _replaced.clear()
+        _servers_pid = os.getpid()
+    for server in [s for s in _replaced if not _forked.get(s)]:
+        _replaced.remove(server)
+        server._stop()  # type: ignore[attr-defined]
+    environment = dict(os.environ) if method == "spawn" else None
+    known = _servers.get(method)
+    if known is not None and known[1] == environment:
+        return known[0]
+    if known is not None:
+        _replaced.append(known[0])
+    users = (
+        getattr(forkserver._forkserver, "_preload_modules", ["__main__"])
+        if method == "forkserver"
+        else []
+    )
+    preload = [*users, *(m for m in _PRELOAD if m not in users)]
+    if method == "spawn" or not _preloads_torch(users):
+        preload.append("shmloader._worker._fresh_torch_generator")
+    if method == "spawn" or not _preloads_numpy_random(users):
+        preload.append("shmloader._worker._fresh_numpy_generator")
+    server = forkserver.ForkServer()
+    server.set_forkserver_preload(preload)
+    _servers[method] = (server, environment)
+    return server
 
 
 # NOTE [forkserver: fresh generators]
@@ -191,7 +217,7 @@ class _Popen(popen_forkserver.Popen):
         finally:
             context.set_spawning_popen(None)
 
-        self.sentinel, w = own_server(self.method).connect_to_new_process(self._fds)
+        self.sentinel, w = _connect(self, self._fds)
         # Keep a duplicate of the data pipe's write end as a sentinel of the
         # parent process used by the child process.
         _parent_w = os.dup(w)
