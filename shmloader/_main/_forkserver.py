@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import sys
 import threading
 import weakref
@@ -96,6 +97,23 @@ def _connect(popen: _Popen, fds) -> tuple[int, int]:
         return connection
 
 
+def _stop(server: forkserver.ForkServer) -> None:
+    """End a server that no held worker came from.  Not ForkServer._stop,
+    which waits for the server to see its alive pipe closed: processes forked
+    from this one since (fork workers of another loader) hold that pipe's
+    write end too, and the wait would never end."""
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:  # never started
+        return
+    os.close(server._forkserver_alive_fd)  # type: ignore[attr-defined]
+    try:
+        os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):  # killed and reaped by someone else
+        pass
+    server._forkserver_pid = server._forkserver_alive_fd = None  # type: ignore[attr-defined]
+
+
 def own_server(method: str = "forkserver") -> forkserver.ForkServer:
     """This process's server for workers of start method `method`, made on
     first use (see the module's docstring for what it preloads); for spawn,
@@ -114,7 +132,7 @@ def _own_server(method: str) -> forkserver.ForkServer:
         _servers_pid = os.getpid()
     for server in [s for s in _replaced if not _forked.get(s)]:
         _replaced.remove(server)
-        server._stop()  # type: ignore[attr-defined]
+        _stop(server)
     environment = dict(os.environ) if method == "spawn" else None
     known = _servers.get(method)
     if known is not None and known[1] == environment:

@@ -28,6 +28,7 @@ from tests.helpers import ROOT
 from tests.helpers.datasets import Dying, EnvironMark, Failing, Images, PickleCounted, Sleepy
 from tests.helpers.procs import (
     alive,
+    deadline,
     describe_stuck,
     open_fds,
     our_segments,
@@ -1253,6 +1254,27 @@ def test_a_changing_environment_keeps_a_few_spawn_servers_not_one_per_change(mon
         seen.update(servers)
     assert len(seen) >= 5, seen  # a server for (nearly) every environment
     assert len(servers) <= 3, servers
+
+
+def test_a_replaced_spawn_server_stops_while_fork_workers_hold_its_pipes(monkeypatch):
+    """Fork workers of another loader, started after a spawn server, inherit the pipe whose
+    closing tells that server to exit: stopping it once replaced must not wait for that."""
+    spawn = dict(batch_size=4, num_workers=1, multiprocessing_context="spawn")
+    assert len(list(DataLoader(Images(8), **spawn))) == 2
+    gc.collect()
+    held = DataLoader(
+        Images(8),
+        batch_size=4,
+        num_workers=1,
+        multiprocessing_context="fork",
+        persistent_workers=True,
+    )
+    for epoch in range(3):  # the first spawn server is replaced, then stopped
+        monkeypatch.setenv("SHMLOADER_TEST_EPOCH", str(epoch))
+        with deadline(HANG):
+            assert len(list(held)) == 2
+            assert len(list(DataLoader(Images(8), **spawn))) == 2
+        gc.collect()
 
 
 def test_spawn_workers_fork_from_a_clean_server_and_start_as_spawned_ones(tmp_path):
