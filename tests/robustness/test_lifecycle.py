@@ -474,17 +474,15 @@ def test_worker_exit_names_exit_code():
 
 def test_worker_exit_with_code_0_reads_as_torchs():
     """A worker that ends with exit code 0 mid-epoch (os._exit(0), a SystemExit(0)) has no
-    code to name: torch's SIGCHLD handler passes it over and its watchdog says "exited
-    unexpectedly", and so does shmloader, without "exit code 0. Details are lost"."""
-
-    def message(cls):
-        with pytest.raises(RuntimeError) as e:
-            list(cls(Dying(64, at=20, signum=0, code=0), batch_size=2, num_workers=2))
-        return re.sub(r"\(pid(\(s\))? \d+\)", "(pid N)", str(e.value))
-
-    want = message(torch.utils.data.DataLoader)
-    assert want == "DataLoader worker (pid N) exited unexpectedly"
-    assert message(DataLoader).startswith(want + " (worker "), message(DataLoader)
+    code to name: torch's SIGCHLD handler passes it over and its watchdog says "DataLoader
+    worker (pid(s) N) exited unexpectedly", and so does shmloader, without "exit code 0.
+    Details are lost".  (Not compared with a run of torch's: under forkserver its loader may
+    first fail reading the dead worker's queue, an EOFError, as the timing falls.)"""
+    loader = DataLoader(Dying(64, at=20, signum=0, code=0), batch_size=2, num_workers=2)
+    with pytest.raises(
+        WorkerDied, match=r"^DataLoader worker \(pid \d+\) exited unexpectedly \(worker "
+    ):
+        list(loader)
 
 
 def _open_few_more_files(room, worker_id):
