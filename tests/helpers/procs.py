@@ -65,11 +65,9 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def own_children():
-    """This process's live children, less multiprocessing's long-lived helpers
-    (the forkserver and the resource tracker start once and stay)."""
+def _live_children():
+    """(pid, command line) of this process's live children (not zombies)."""
     me = str(os.getpid())
-    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -78,10 +76,28 @@ def own_children():
                 cmdline = f.read()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        helper = b"forkserver" in cmdline or b"resource_tracker" in cmdline
-        if fields[1] == me and fields[0] != "Z" and not helper:
-            found.append(int(pid))
-    return sorted(found)
+        if fields[1] == me and fields[0] != "Z":
+            yield int(pid), cmdline
+
+
+def own_children():
+    """This process's live children, less multiprocessing's long-lived helpers
+    (the forkserver and the resource tracker start once and stay)."""
+    return sorted(
+        pid
+        for pid, cmdline in _live_children()
+        if b"forkserver" not in cmdline and b"resource_tracker" not in cmdline
+    )
+
+
+def shmloader_servers():
+    """This process's children that are servers of shmloader's (the workers
+    forked from them are the servers' children, not its)."""
+    return sorted(
+        pid
+        for pid, cmdline in _live_children()
+        if b"forkserver import main" in cmdline and b"_worker._loop" in cmdline
+    )
 
 
 def our_segments():

@@ -34,6 +34,7 @@ from tests.helpers.procs import (
     our_segments,
     own_children,
     rearm_hang_guard,
+    shmloader_servers,
     wait_gone,
     wait_until,
 )
@@ -1221,23 +1222,6 @@ SPAWN_SERVER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _servers_of_shmloader():
-    """This process's children that are servers of shmloader's (their workers, forked
-    from them, are not its children)."""
-    me, found = str(os.getpid()), []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                parent = f.read().rsplit(")", 1)[1].split()[1]
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if parent == me and b"forkserver import main" in cmdline and b"_worker._loop" in cmdline:
-            found.append(int(pid))
-    return found
-
-
 def test_a_changing_environment_keeps_a_few_spawn_servers_not_one_per_change(monkeypatch):
     """A spawned worker has the environment of its start, so shmloader's spawn server is
     started again where os.environ changed; the one replaced lives while workers forked from
@@ -1248,7 +1232,7 @@ def test_a_changing_environment_keeps_a_few_spawn_servers_not_one_per_change(mon
     for epoch in range(6):
         monkeypatch.setenv("SHMLOADER_TEST_EPOCH", str(epoch))
         assert len(list(loader)) == 2
-        servers = _servers_of_shmloader()
+        servers = shmloader_servers()
         seen.update(servers)
     assert len(seen) >= 5, seen  # a server for (nearly) every environment
     assert len(servers) <= 3, servers
