@@ -58,6 +58,9 @@ from ._warn import init_as_torch
 _REPLAYED = object()
 # Asked once a batch, as torch's __next__ asks it.
 _profiler_enabled = torch.autograd._profiler_enabled
+# torch's own __next__.  Tools replace it on _BaseDataLoaderIter (InfoBatch's
+# pruning, tracers); every iterator of torch's then runs theirs, and so do ours.
+_TORCHS_NEXT = _BaseDataLoaderIter.__next__
 
 
 class ShmLoaderIter(_BaseDataLoaderIter):
@@ -113,9 +116,13 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         # batch: ~5 us that records nothing unless a profiler is on.  Only a
         # map-style dataset's iterator that has begun skips it (torch's first
         # _reset stays torch's; an IterableDataset's iterator is the subclass
-        # below).
-        if self._sampler_iter is None or _profiler_enabled():
-            return super().__next__()
+        # below), unless a tool has put its own __next__ in torch's place.
+        if (
+            self._sampler_iter is None
+            or _profiler_enabled()
+            or _BaseDataLoaderIter.__next__ is not _TORCHS_NEXT
+        ):
+            return _BaseDataLoaderIter.__next__(self)
         data = self._next_data()
         self._num_yielded += 1
         return data
@@ -492,9 +499,17 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             self._shutdown_workers()
 
 
+class _TorchsNext:
+    """_BaseDataLoaderIter.__next__ as it is when next() looks it up: torch's,
+    or what a tool put in its place."""
+
+    def __get__(self, it, owner=None):
+        return _BaseDataLoaderIter.__next__.__get__(it, owner)
+
+
 class IterableShmLoaderIter(ShmLoaderIter):
     """An IterableDataset's: torch's __next__ is next() itself, so that its
     warning of a stream longer than len() names the user's line, as torch's
     does."""
 
-    __next__ = _BaseDataLoaderIter.__next__
+    __next__ = _TorchsNext()

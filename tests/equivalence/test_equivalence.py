@@ -661,6 +661,34 @@ def test_workers_process_names_are_torchs(context):
     assert go(ShmDataLoader) == go(TorchDataLoader)
 
 
+@pytest.mark.parametrize("dataset", [D.IndexMap, D.IndexIterable])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_tools_next_in_place_of_torchs_runs_for_every_batch(monkeypatch, dataset, num_workers):
+    """Tools put their own _BaseDataLoaderIter.__next__ in torch's place (InfoBatch takes each
+    batch's indices from it to prune the dataset; tracers time it): torch's iterators all run
+    it, and so must shmloader's."""
+    taken = []
+
+    def infobatch_next(self):  # InfoBatch's, trimmed: samples are (index, data)
+        if self._sampler_iter is None:
+            self._reset()
+        indices, data = self._next_data()
+        self._num_yielded += 1
+        taken.append(indices.tolist())
+        return data
+
+    monkeypatch.setattr(tud.dataloader._BaseDataLoaderIter, "__next__", infobatch_next)
+
+    def go(cls):
+        taken.clear()
+        batches = [b.tolist() for b in cls(dataset(), batch_size=4, num_workers=num_workers)]
+        return batches, list(taken)
+
+    batches, indices = go(ShmDataLoader)
+    assert (batches, indices) == go(TorchDataLoader)
+    assert len(indices) == len(batches) > 0  # (the patch ran for every batch)
+
+
 # A training script whose dataset draws from torch's and numpy's global generators as it is
 # unpickled in a worker, before the worker's seeding; with SEED_AT_IMPORT set, the script
 # seeds both at module level, which a spawned worker runs again as it imports the script;

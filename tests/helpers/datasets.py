@@ -558,6 +558,16 @@ class ShardedIterable(IterableDataset):
             }
 
 
+class IndexIterable(IterableDataset):
+    """IndexMap's samples, sharded across workers with get_worker_info()."""
+
+    def __iter__(self):
+        wid, nw, _ = _worker_fields()
+        samples = IndexMap()
+        for i in range(max(wid, 0), len(samples), max(nw, 1)):
+            yield samples[i]
+
+
 class LenIterable(ShardedIterable):
     def __len__(self):
         return self.n
