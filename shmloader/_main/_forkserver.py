@@ -36,6 +36,7 @@ import os
 import signal
 import sys
 import threading
+import types
 import weakref
 from multiprocessing import context, forkserver, popen_forkserver, process, reduction, spawn, util
 
@@ -275,14 +276,40 @@ class _SpawnContext(context.SpawnContext):
     Process = SpawnProcess  # type: ignore[assignment]
 
 
+def _named_as_the_default(cls):
+    """`cls`, naming its processes as multiprocessing.Process does ("Process-3"):
+    torch starts a loader's workers with it where no multiprocessing_context is
+    given, whatever the default start method (forkserver on Python 3.14)."""
+
+    def make(*args, **kwargs):
+        process = cls(*args, **kwargs)
+        if kwargs.get("name") is None:
+            process.name = "Process-" + process.name.partition("-")[2]
+        return process
+
+    return staticmethod(make)
+
+
+class _DefaultContext(_Context):
+    Process = _named_as_the_default(ForkServerProcess)  # type: ignore[assignment]
+
+
+class _DefaultSpawnContext(_SpawnContext):
+    Process = _named_as_the_default(SpawnProcess)  # type: ignore[assignment]
+
+
 _CONTEXTS = {"forkserver": _Context(), "spawn": _SpawnContext()}
+_DEFAULT_CONTEXTS = {"forkserver": _DefaultContext(), "spawn": _DefaultSpawnContext()}
 
 
 def for_workers(ctx):
     """The context to start a loader's workers with: shmloader's server's
-    where `ctx` starts processes with a forkserver or spawn, else `ctx`."""
+    where `ctx` starts processes with a forkserver or spawn, else `ctx`.
+    `ctx`: the loader's multiprocessing_context, or the multiprocessing
+    module (torch's) where it has none."""
     if _SAME_LAUNCH:
-        return _CONTEXTS.get(ctx.get_start_method(), ctx)
+        contexts = _DEFAULT_CONTEXTS if isinstance(ctx, types.ModuleType) else _CONTEXTS
+        return contexts.get(ctx.get_start_method(), ctx)
     return ctx
 
 

@@ -56,7 +56,7 @@ class SpareWorkers:
         if pool is None:
             return None
         if (
-            pool.ctx.get_start_method() == ctx.get_start_method()
+            pool.ctx is ctx  # (so its processes are named as ctx names them)
             and len(pool.pids) == count
             and pool.alive()
         ):

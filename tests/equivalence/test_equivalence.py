@@ -661,6 +661,23 @@ def test_workers_process_names_are_torchs(context):
     assert go(ShmDataLoader) == go(TorchDataLoader)
 
 
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_workers_process_names_are_torchs_under_the_default_start_method(method):
+    """Given no multiprocessing_context, torch starts its workers as multiprocessing.Process
+    ("Process-3"), whatever the default start method (forkserver on Python 3.14): so do
+    shmloader's servers."""
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(method, force=True)
+    try:
+        names = {
+            cls: list(cls(D.ProcessNameMap(), batch_size=None, num_workers=2))
+            for cls in (ShmDataLoader, TorchDataLoader)
+        }
+    finally:
+        multiprocessing.set_start_method(before, force=True)
+    assert names[ShmDataLoader] == names[TorchDataLoader] == ["Process", "Process"]
+
+
 @pytest.mark.parametrize("dataset", [D.IndexMap, D.IndexIterable])
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_tools_next_in_place_of_torchs_runs_for_every_batch(monkeypatch, dataset, num_workers):
