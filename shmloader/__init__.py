@@ -5,6 +5,7 @@ from ._errors import (
     SampleLayoutError,
     SharedMemoryError,
     ShmloaderError,
+    ShmloaderWarning,
     WorkerDied,
 )
 from ._main import _torch_api  # noqa: F401  (first: checks the torch internals used)
@@ -20,6 +21,7 @@ __all__ = [
     "SharedList",
     "SharedMemoryError",
     "ShmloaderError",
+    "ShmloaderWarning",
     "WorkerDied",
 ]
 __version__ = "0.1.0"

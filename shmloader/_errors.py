@@ -1,4 +1,4 @@
-"""shmloader's public exceptions and its warning category, in one place.
+"""shmloader's public exceptions and its warning categories, in one place.
 
 NOTE [errors: one base, old bases kept]
 Every exception shmloader raises of its own derives from ShmloaderError, so
@@ -9,11 +9,13 @@ user's code (dataset, sampler, collate_fn) are not shmloader's: they are
 re-raised with their own types, as torch re-raises them (contract 5).
 tests/unit/test_errors.py holds both to it.
 
-RingBypassedWarning is a warning, not an error: it stays a UserWarning and
-is no ShmloaderError (under `-W error` it is raised, and a handler for the
-loader's errors should not swallow it).  It has no base of shmloader's own:
-shmloader's other warnings (ring full, spill, ...) are plain UserWarnings,
-as torch's loader's are, so such a base would cover this one category only.
+Every warning of shmloader's own (a ring full, a spill, ...; not those it
+gives as torch gives them) is a ShmloaderWarning, a UserWarning as torch's
+loader's are: a project whose warning filters make warnings errors (pytest
+-W error) can keep them warnings with one filter, which a message cannot
+give.  RingBypassedWarning is one of them.  They are warnings, not errors:
+no ShmloaderError (under `-W error` they are raised, and a handler for the
+loader's errors should not swallow them).
 
 The modules that raise them import them from here; none of them depends on
 any other shmloader module, so both the worker side and the main side can.
@@ -39,6 +41,11 @@ class SampleLayoutError(ShmloaderError, RuntimeError):
     """A sample does not fit the batch layout the first sample fixed."""
 
 
-class RingBypassedWarning(UserWarning):
+class ShmloaderWarning(UserWarning):
+    """The category of shmloader's own warnings (see NOTE [errors: one base,
+    old bases kept])."""
+
+
+class RingBypassedWarning(ShmloaderWarning):
     """A framework is about to move a shmloader loader's batches by torch's
     transport instead of shmloader's ring (and without its options)."""

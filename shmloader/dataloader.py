@@ -18,7 +18,7 @@ import torch.utils.data
 from torch.utils.data import Dataset, Sampler, _DatasetKind
 from torch.utils.data._utils.collate import default_collate
 
-from ._errors import RingBypassedWarning
+from ._errors import RingBypassedWarning, ShmloaderWarning
 from ._features._cuda import check_device
 from ._features._foreign_state import foreign_state
 from ._features._rebuild import options
@@ -341,6 +341,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                 f"prefetch_factor * num_workers = {in_flight} batches in flight plus the one "
                 "being yielded and the one your loop holds: some batches will travel by torch's "
                 f"(slower) transport. Use num_slots >= {in_flight + 2}, or leave it None.",
+                ShmloaderWarning,
                 stacklevel=3,
             )
 

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import torch.utils.data
 from torch.utils.data import dataloader as torch_dataloader
 
+from .._errors import ShmloaderWarning
+
 if TYPE_CHECKING:
     from ._stats import Counters
 
@@ -24,7 +26,7 @@ _INTERNAL_DIRS = (
 
 
 def warn(
-    message: str, category: type[Warning] = UserWarning, also_past: tuple[str, ...] = ()
+    message: str, category: type[Warning] = ShmloaderWarning, also_past: tuple[str, ...] = ()
 ) -> None:
     """warnings.warn(message), naming the first frame that is not shmloader's,
     torch's loader's, or in one of the folders `also_past` (a framework's)."""

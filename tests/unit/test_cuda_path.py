@@ -297,7 +297,7 @@ def test_registration_failure_falls_back_to_torchs_pinning(monkeypatch):
     loader = shmloader.DataLoader(
         _images(), batch_size=8, num_workers=2, pin_memory=True, slot_bytes=1 << 20
     )
-    with pytest.warns(UserWarning, match="could not pin the ring"):
+    with pytest.warns(shmloader.ShmloaderWarning, match="could not pin the ring"):
         got = list(loader)
     assert all(b[0].is_pinned() for b in got)
 

@@ -6,6 +6,7 @@ RuntimeError` misses it; the warning stays a UserWarning and no error."""
 import warnings
 
 import pytest
+import torch
 
 import shmloader
 
@@ -43,10 +44,44 @@ def test_error_is_a_shmloader_error_and_its_old_base(name):
         raise getattr(shmloader, name)("message")
 
 
-def test_the_warning_stays_a_user_warning_and_no_error():
-    assert _public(Warning) == ["RingBypassedWarning"]
-    warning = shmloader.RingBypassedWarning("message")
+@pytest.mark.parametrize("name", ["ShmloaderWarning", "RingBypassedWarning"])
+def test_the_warnings_stay_user_warnings_and_no_errors(name):
+    assert _public(Warning) == ["RingBypassedWarning", "ShmloaderWarning"]
+    warning = getattr(shmloader, name)("message")
     assert isinstance(warning, UserWarning)
+    assert isinstance(warning, shmloader.ShmloaderWarning)
     assert not isinstance(warning, shmloader.ShmloaderError)
     with pytest.warns(UserWarning, match="^message$"):
         warnings.warn(warning, stacklevel=1)
+
+
+class _FirstBatchesLarger(torch.utils.data.Dataset):
+    """10 batches of 2: the first 2 of 80 KB, the last 8 of 24 KB (too large to be copied
+    out of their slots)."""
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        return torch.full((40000 if i < 4 else 12000,), i, dtype=torch.uint8)
+
+
+def test_one_filter_keeps_shmloaders_warnings_warnings_where_others_are_errors():
+    """A project whose tests make warnings errors (pytest -W error) keeps the batches torch's
+    loader gives, with a filter on the category of shmloader's warnings alone: the ring full
+    (every batch kept) and the spill (batches outgrowing their slots) are warnings still."""
+
+    def every_batch(cls, **options):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("error")
+            warnings.filterwarnings("always", category=shmloader.ShmloaderWarning)
+            batches = list(cls(_FirstBatchesLarger(), batch_size=2, num_workers=2, **options))
+        return [b.tolist() for b in batches], [str(w.message)[:38] for w in seen]
+
+    torchs, _ = every_batch(torch.utils.data.DataLoader)
+    kept, warned = every_batch(shmloader.DataLoader, num_slots=6, slot_bytes=32768)
+    assert kept == torchs
+    assert warned == [
+        "shmloader: a batch did not fit its slo",
+        "shmloader: all 6 ring slots are in use",
+    ]

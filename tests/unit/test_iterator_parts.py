@@ -135,7 +135,7 @@ def test_keeper_with_every_slot_taken_says_so_once():
     keeper = _keeper(counters=counters, slot_bytes=4096, num_slots=2)
     assert keeper.ring is not None  # known before the workers start
     keeper.claim(), keeper.claim()
-    with pytest.warns(UserWarning, match="all 2 ring slots are in use"):
+    with pytest.warns(shmloader.ShmloaderWarning, match="all 2 ring slots are in use"):
         assert keeper.claim() == NO_SLOT
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmloader import DataLoader, SharedMemoryError
+from shmloader import DataLoader, SharedMemoryError, ShmloaderWarning
 from shmloader._shm import _layout, _slot_rules
 from tests.helpers import ROOT
 from tests.helpers import datasets as D
@@ -80,7 +80,7 @@ def _each_next_with_warnings_as_errors(loader, hold):
                 batch = next(it)
             except StopIteration:
                 return got
-            except UserWarning as warning:
+            except ShmloaderWarning as warning:
                 got.append(str(warning))
                 continue
             got.append(batch.clone())
@@ -148,7 +148,7 @@ def test_a_warning_left_unraised_comes_again_next_epoch():
             try:
                 while len(kept) < (16 if epoch else 5):
                     kept.append(next(it))
-            except UserWarning as warning:
+            except ShmloaderWarning as warning:
                 raised.append((epoch, len(kept), "all 8 ring slots are in use" in str(warning)))
             del it, kept
     assert raised == [(1, 5, True)], raised
@@ -195,7 +195,7 @@ def test_an_iterator_left_with_a_warning_unraised_goes_at_once_and_the_warning_c
             for k in range(10):
                 try:
                     next(it)
-                except UserWarning as warning:
+                except ShmloaderWarning as warning:
                     raised.append((k, "did not fit" in str(warning)))
                     next(it)  # the batch whose next() it was raised before
             del it
@@ -233,7 +233,7 @@ def test_spill_warning_names_a_big_dataset_state():
     the state is what does not fit, not the batch alone."""
     loader = DataLoader(_StreamWithBigState(), batch_size=8, num_workers=2, slot_bytes=1 << 16)
     with pytest.warns(
-        UserWarning,
+        ShmloaderWarning,
         match=r"a batch \(with the worker's state, \d+ bytes: the "
         r"dataset's state_dict\(\) and the RNGs\) did not fit",
     ):
@@ -295,7 +295,7 @@ def test_oversize_batch_spills_whole_and_is_counted():
         slot_bytes=1024,
     )
     with pytest.warns(
-        UserWarning,
+        ShmloaderWarning,
         match=r"did not fit its slot \(4096 bytes for a batch: slot_bytes=1024, rounded up",
     ):
         for i, t in enumerate(loader):
@@ -319,7 +319,7 @@ def test_default_collate_spill_is_not_corrupted_by_slot_reuse():
         multiprocessing_context=LOCAL_OBJECTS,
         slot_bytes=4096,
     )
-    with pytest.warns(UserWarning, match="did not fit"):
+    with pytest.warns(ShmloaderWarning, match="did not fit"):
         for b, (images, names) in enumerate(loader):
             assert torch.equal(images, _expected(64, 4)[b])
             assert names == tuple("x" * 9000 + str(i) for i in range(b * 4, b * 4 + 4))
@@ -829,7 +829,7 @@ def test_shm_limit_env_simulates_small_dev_shm(monkeypatch):
 
 
 def test_fewer_slots_than_in_flight_warns_and_still_delivers():
-    with pytest.warns(UserWarning, match=r"num_slots=2 cannot hold .* = 8 batches"):
+    with pytest.warns(ShmloaderWarning, match=r"num_slots=2 cannot hold .* = 8 batches"):
         loader = DataLoader(Images(64), batch_size=4, num_workers=4, slot_bytes=SLOT, num_slots=2)
     got = list(iter(loader))
     assert [torch.equal(a, b) for a, b in zip(got, _expected(64, 4))] == [True] * 16
@@ -855,7 +855,7 @@ def test_a_batch_of_exactly_slot_bytes_fits_its_slot():
         warnings.simplefilter("error")  # the spill warning
         got = list(DataLoader(data, batch_size=None, num_workers=1, slot_bytes=8192))
     assert len(got) == 4
-    with pytest.warns(UserWarning, match="did not fit its slot"):
+    with pytest.warns(ShmloaderWarning, match="did not fit its slot"):
         list(
             DataLoader(
                 torch.zeros(4, 8193, dtype=torch.uint8),
@@ -925,7 +925,7 @@ def test_every_error_path_gives_its_slot_back(path, persistent):
 
 def test_no_ring_no_warning_about_its_slots():
     # Too few slots for the batches in flight is said, with workers ...
-    with pytest.warns(UserWarning, match="num_slots=1 cannot hold"):
+    with pytest.warns(ShmloaderWarning, match="num_slots=1 cannot hold"):
         DataLoader(Images(8), batch_size=4, num_workers=2, num_slots=1)
     # ... and not without them: num_workers=0 is torch's path, with no ring to be short of.
     with warnings.catch_warnings():
