@@ -40,6 +40,7 @@ import os
 import time
 
 import torch
+from torch._utils import ExceptionWrapper
 from torch.utils.data import _utils
 from torch.utils.data.dataloader import (
     _BaseDataLoaderIter,
@@ -47,11 +48,12 @@ from torch.utils.data.dataloader import (
 
 from .._errors import WorkerDied
 from .._shm._ring import current_pid
-from .._worker._protocol import Probe, ResumeWorker, Rows, Task
+from .._worker._protocol import ErrorReply, Probe, ResumeWorker, Rows, Task
 from .._worker._seeding import countable
 from . import _torch_api
 from ._iter_parts import build_parts
 from ._iter_receive import discard, kind
+from ._pool import pickled
 from ._warn import init_as_torch
 
 # What _process_data returns for a batch fetched again after a resume and dropped.
@@ -282,13 +284,24 @@ class ShmLoaderIter(_BaseDataLoaderIter):
                 return error
             first_row = len(index)  # every row is the worker's that fetched it already
         slot = self._ring_keeper.claim()
-        if rows and slot >= 0 and len(index) <= handover.sample_layout.capacity:
+        # Everything but rows goes whole to one worker (a batch bigger than
+        # the layout's rows is collated into the slot, or spills).
+        by_rows = rows and slot >= 0 and len(index) <= handover.sample_layout.capacity
+        try:
+            data = pickled(
+                Rows.wire(task_id, slot, index, epoch, position, first_row)
+                if by_rows
+                else Task.wire(task_id, index, slot, epoch, position)
+            )
+        except Exception:
+            if slot >= 0:
+                self._ring_keeper.ring.abandon(slot)  # (no worker heard of it)
+            return _unsendable(task_id, worker_id, by_rows)
+        if by_rows:
             self._ring_keeper.ring.rows_begin(slot, task_id, len(index), first_row)
-            self._pool.broadcast(Rows.wire(task_id, slot, index, epoch, position, first_row))
+            self._pool.broadcast_pickled(data)
         else:
-            # Everything else goes whole to one worker (a batch bigger than
-            # the layout's rows is collated into the slot, or spills).
-            self._pool.send(worker_id, Task.wire(task_id, index, slot, epoch, position))
+            self._pool.send_pickled(worker_id, data)
         return None
 
     def _learn_layout(self, task_id, index, epoch, position):
@@ -298,7 +311,11 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         Returns None, or the first sample's error (which becomes this
         batch's result)."""
         capacity = self._batch_size or len(index)
-        self._pool.broadcast(Probe.wire(task_id, index, epoch, position, capacity))
+        try:
+            data = pickled(Probe.wire(task_id, index, epoch, position, capacity))
+        except Exception:
+            return _unsendable(task_id, None, True)
+        self._pool.broadcast_pickled(data)
         payload = self._receiver.take(task_id)
         if kind(payload) == "error":
             return payload
@@ -497,6 +514,21 @@ class ShmLoaderIter(_BaseDataLoaderIter):
     def __del__(self) -> None:
         if hasattr(self, "_record"):  # (its parts are made at once, the record last)
             self._shutdown_workers()
+
+
+def _unsendable(task_id, worker_id, by_rows):
+    """The result of a batch whose indices could not be pickled (called where
+    pickle's error is handled): that error, raised by the next() whose batch
+    it is, as a worker's error is, so that the batches before it and after it
+    are yielded (torch's loader cannot send such a task either, and waits for
+    it until its timeout, or forever)."""
+    to = "every DataLoader worker" if by_rows else f"DataLoader worker process {worker_id}"
+    wrapper = ExceptionWrapper(
+        where=f"in the main process, pickling this batch's indices to send them to {to} "
+        "(a sampler's indices travel to the workers by pickle: yield numbers, strings, or "
+        "tuples and lists of them)"
+    )
+    return ErrorReply._make(ErrorReply.wire(task_id, wrapper, None))
 
 
 class _TorchsNext:

@@ -298,17 +298,20 @@ class WorkerPool:
         ]
 
     def send(self, worker_id: int, msg) -> None:
+        self.send_pickled(worker_id, pickled(msg))
+
+    def send_pickled(self, worker_id: int, data: bytes) -> None:
         try:
-            # Plain pickle: a task holds indices, never tensors to share, and
-            # this skips ForkingPickler's per-call setup on the per-batch path.
-            send_bytes(self._tasks[worker_id], pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+            send_bytes(self._tasks[worker_id], data)
         except OSError:
             self.raise_if_dead()
             raise
 
     def broadcast(self, msg) -> None:
         """Send one message to every worker not told to exit (pickled once)."""
-        data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+        self.broadcast_pickled(pickled(msg))
+
+    def broadcast_pickled(self, data: bytes) -> None:
         for i, conn in enumerate(self._tasks):
             if i not in self._exiting:
                 try:
@@ -506,6 +509,13 @@ def reap_leaving(wait: bool = False) -> None:
         # (a forked child's copy of the list: its parent's workers)
         if pool.owner_pid == os.getpid() and not pool.reap(wait):
             _leaving.append(pool)
+
+
+def pickled(msg) -> bytes:
+    """A message for the workers, as send_pickled() takes it.  Plain pickle: a
+    task holds indices, never tensors to share, and this skips
+    ForkingPickler's per-call setup on the per-batch path."""
+    return pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
 
 
 def send_bytes(conn, data: bytes) -> None:

@@ -1822,6 +1822,40 @@ def test_an_error_whose_class_cannot_be_pickled_is_raised_with_its_traceback(kw)
     D.assert_same(expected, outcomes)
 
 
+@pytest.mark.parametrize("bad", [0, 5])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(slot_bytes=1 << 16), dict(fetch="sample")],
+    ids=["ring-sized-by-batches", "ring-at-start", "sample"],
+)
+def test_an_index_that_cannot_be_pickled_fails_its_own_batch(kw, bad):
+    """torch's loader cannot send such a task (its feeder thread prints pickle's error) and
+    waits for that batch until its timeout, or forever. Pickle's error must come from that
+    batch's next() (not from an earlier one, whose batch it would lose), saying what to do,
+    and the other batches of the epoch, and the next epoch, must come as torch's."""
+    sampler = list(range(12))
+    sampler[bad] = D.Unpicklable()
+    outcomes = each_next(
+        ShmDataLoader(D.IndexMap(12), sampler=sampler, batch_size=2, **W2, **kw), epochs=2
+    )
+    expected = each_next(TorchDataLoader(D.IndexMap(12), batch_size=2, **W2), epochs=2)
+    for epoch in (0, 6):
+        error_type, last_line = outcomes[epoch + bad // 2]
+        assert (
+            error_type is TypeError
+            and last_line == "TypeError: cannot pickle '_thread.lock' object"
+        )
+        outcomes[epoch + bad // 2] = expected[epoch + bad // 2]
+    D.assert_same(expected, outcomes)
+
+
+def test_an_index_that_cannot_be_pickled_says_so():
+    sampler = [0, D.Unpicklable()]
+    with pytest.raises(TypeError, match="pickling this batch's indices to send them") as error:
+        list(ShmDataLoader(D.IndexMap(2), sampler=sampler, batch_size=1, **W2))
+    assert "yield numbers, strings, or tuples and lists of them" in str(error.value)
+
+
 # --------------------------------------------------------------------------- shm-only knobs
 class _Point:
     def __init__(self, x):

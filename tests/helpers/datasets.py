@@ -16,6 +16,7 @@ import multiprocessing.util
 import os
 import random
 import signal
+import threading
 import time
 import weakref
 from collections import OrderedDict, namedtuple
@@ -556,6 +557,13 @@ class ShardedIterable(IterableDataset):
                 "x": torch.full((2,), i, dtype=torch.float64),
                 "name": f"item{i}",
             }
+
+
+class Unpicklable:
+    """A sampler's index that pickle cannot take: it holds a lock."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
 
 
 class IndexIterable(IterableDataset):
