@@ -202,6 +202,9 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             progress.tick,
         )
     except Exception as error:  # a loader failed: the dataset in a worker, most likely
+        # Its traceback holds the loader's iterator in a cycle (torch's re-raise holds the
+        # error): collected later, torch's would wait 5 s for each worker.
+        error.__traceback__ = None
         progress.clear()
         print(
             f"{PROG}: a loader failed while measuring: {type(error).__name__}: {error}",

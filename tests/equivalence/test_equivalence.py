@@ -31,7 +31,7 @@ from torch.utils.data._utils.collate import collate
 from shmloader import DataLoader as ShmDataLoader
 from shmloader._main import _torch_api
 from tests.helpers import datasets as D
-from tests.helpers.procs import wait_until
+from tests.helpers.procs import forget, wait_until
 
 # Scenarios whose workers must see the main process's objects as fork leaves
 # them (a generator the dataset shares with its sampler, a default_collate_fn_map
@@ -64,14 +64,6 @@ def _norm_warning(msg):
 
 
 Result = collections.namedtuple("Result", "length epochs rng_after warnings")
-
-
-def forget(e):
-    """Drop an exception's traceback. A loader's exception traceback forms a reference cycle
-    with the iterator's frames; left to the cyclic GC, the iterator may then be finalized inside
-    a later loader's freshly forked worker (torch's __del__ then stalls that worker for seconds).
-    Test harness hygiene, applied to both loaders alike."""
-    e.__traceback__ = None
 
 
 def safe_len(loader):

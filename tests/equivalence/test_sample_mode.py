@@ -28,14 +28,13 @@ from tests.equivalence.test_equivalence import (
     Fresh,
     assert_results_same,
     each_next,
-    forget,
     gen,
     run,
     seed_all,
 )
 from tests.helpers import datasets as D
 from tests.helpers.datasets import Dying, Images, Sleepy
-from tests.helpers.procs import deadline, our_segments, own_children, wait_gone
+from tests.helpers.procs import deadline, forget, our_segments, own_children, wait_gone
 
 # Tests whose datasets or collate functions are defined in the test (local):
 # they reach workers only by fork, whatever the default start method.

@@ -1,5 +1,6 @@
 """Processes in the tests: what the failure and churn tests look at, read from /proc and
-/dev/shm; hard time limits; a job run in a session of its own; a free port for a rendezvous."""
+/dev/shm; hard time limits; a job run in a session of its own; a free port for a rendezvous;
+a caught loader error let go of at once."""
 
 import faulthandler
 import os
@@ -16,6 +17,16 @@ def rearm_hang_guard(seconds: float = HANG_TIMEOUT_S) -> None:
     progress (each sample of a churn run, each hypothesis example), so that the guard bounds
     a stall, not the whole test's time on a loaded machine."""
     faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+def forget(e: BaseException) -> None:
+    """Drop a caught loader error's traceback, for either loader.  The traceback holds the
+    iterator's frames, and torch's re-raise holds the error (a cycle): left to the cyclic GC,
+    the iterator is finalized at some later moment, inside a later loader's freshly forked
+    worker, or after the GC has finalized its queues first, so that torch's __del__ then
+    waits 5 s per worker for workers its stop message never reaches (seconds of a later
+    test).  Test harness hygiene: nothing is asserted of it."""
+    e.__traceback__ = None
 
 
 def alive(pid: int) -> bool:

@@ -21,7 +21,7 @@ from shmloader._shm import _layout, _slot_rules
 from tests.helpers import ROOT
 from tests.helpers import datasets as D
 from tests.helpers.datasets import Buckets, Images
-from tests.helpers.procs import wait_gone
+from tests.helpers.procs import forget, wait_gone
 
 # Tests whose datasets or collate functions are defined in the test (local):
 # they reach workers only by fork, whatever the default start method.
@@ -785,6 +785,7 @@ def test_stacking_into_slot_matches_torch_stack(kind):
             for batch in cls(Rows(12, kind), batch_size=4, num_workers=2, **kw):
                 out.append(batch)
         except Exception as e:  # torch.stack's own error, re-raised from the worker
+            forget(e)
             out.append((type(e), str(e).splitlines()[-1]))
         return out
 
