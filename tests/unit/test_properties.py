@@ -829,6 +829,7 @@ def _decode_in_child(metas, lease, quiet=False):
     data=st.data(),
 )
 @pytest.mark.slow
+@pytest.mark.one_mode  # no loader: the decoder alone, over a ring of its own
 def test_decoder_survives_corrupt_metadata(fuzz_ring, spec, seed, cases, data):
     rearm_hang_guard()  # per example (a longer hunt needs no longer guard)
     # Two samples of the drawn structure, and always a tensor and an array to corrupt.
