@@ -1,7 +1,8 @@
 """The public exceptions (shmloader/_errors.py, NOTE [errors: one base, old bases kept]): each
 is a shmloader.ShmloaderError and still an instance of the class it subclassed before that base
 came, so that neither `except shmloader.ShmloaderError` nor a user's older `except
-RuntimeError` misses it; the warning stays a UserWarning and no error."""
+RuntimeError` misses it; the warnings, ShmloaderWarning and RingBypassedWarning under it, stay
+UserWarnings and no errors."""
 
 import warnings
 
