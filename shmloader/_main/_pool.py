@@ -304,7 +304,7 @@ class WorkerPool:
         try:
             send_bytes(self._tasks[worker_id], data)
         except OSError:
-            self.raise_if_dead()
+            self._raise_if_gone(worker_id)
             raise
 
     def broadcast(self, msg) -> None:
@@ -317,7 +317,7 @@ class WorkerPool:
                 try:
                     send_bytes(conn, data)
                 except OSError:
-                    self.raise_if_dead()
+                    self._raise_if_gone(i)
                     raise
 
     def send_ring(self, ring) -> None:
@@ -332,8 +332,12 @@ class WorkerPool:
         """The fds of the message just sent, over the worker's result socket
         (SCM_RIGHTS): the worker takes them as it reads that message."""
         conn = self._results[worker_id]
-        with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            sendfds(s, fds)
+        try:
+            with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                sendfds(s, fds)
+        except OSError:
+            self._raise_if_gone(worker_id)
+            raise
 
     def stop(self, worker_id: int) -> None:
         """Tell one worker to exit (its IterableDataset is exhausted)."""
@@ -368,8 +372,7 @@ class WorkerPool:
                         raise RuntimeError(_torch_api.TOO_MANY_FILES) from None
                     if isinstance(e, RuntimeError):
                         raise
-                    self.processes[worker_id].join(1.0)
-                    self.raise_if_dead()
+                    self._raise_if_gone(worker_id)
                     raise
         if messages:
             # A worker's last words (its error, say) go first; its sentinel
@@ -381,6 +384,15 @@ class WorkerPool:
                 self.processes[self._sentinels[fd]].join(1.0)
                 self.raise_if_dead()
         return messages
+
+    def _raise_if_gone(self, worker_id: int) -> None:
+        """WorkerDied if worker_id died, where a pipe to it broke (EPIPE, EOF).
+        A pipe breaks as the worker's process ends, and its exit shows a little
+        later: a forkserver's or spawn server's worker's once that server has
+        reaped it and sent its status, which a loaded machine delays.  Waits
+        for that (bounded, in case the worker closed its pipe and lives on)."""
+        self.processes[worker_id].join(JOIN_TIMEOUT)
+        self.raise_if_dead()
 
     def raise_if_dead(self) -> None:
         dead = [

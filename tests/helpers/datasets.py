@@ -1324,16 +1324,23 @@ class Failing(SizedMap):
 
 
 class Dying(SizedMap):
-    """Its worker dies at sample `at`: by `signum`, or os._exit(code) for 0."""
+    """Its worker dies at sample `at`: by `signum`, or os._exit(code) for 0.  With `linger`,
+    it first closes every file it has (its pipes to the main process break) and dies that
+    many seconds later, as a loaded machine's forkserver can report a worker's exit later
+    than its pipes broke."""
 
-    def __init__(self, n, at, signum, code=1):
+    def __init__(self, n, at, signum, code=1, linger=0.0):
         super().__init__(n)
         self.at = at
         self.signum = signum
         self.code = code
+        self.linger = linger
 
     def __getitem__(self, i):
         if i == self.at:
+            if self.linger:
+                os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+                time.sleep(self.linger)
             if self.signum:
                 os.kill(os.getpid(), self.signum)
                 time.sleep(5)

@@ -463,6 +463,17 @@ def test_worker_killed_by_signal_names_pid_and_signal(signum):
     assert f"by {signum.name};" in message, message
 
 
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_worker_whose_pipes_break_before_it_dies_is_named_dead(start_method):
+    """A pipe to a dead worker breaks (a task's write fails with EPIPE, its results end)
+    before its exit shows: a forkserver's worker's once the server has reaped it.  The error
+    is still the worker's death, in torch's words, not the broken pipe."""
+    dataset = Dying(64, at=20, signum=int(signal.SIGKILL), linger=2.0)
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, multiprocessing_context=start_method)
+    with pytest.raises(WorkerDied, match=r"^DataLoader worker \(pid \d+\) is killed by signal: "):
+        list(loader)
+
+
 def test_worker_exit_names_exit_code():
     loader = DataLoader(Dying(64, at=20, signum=0), batch_size=2, num_workers=2)
     with pytest.raises(
