@@ -742,6 +742,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.one_mode  # each names its start method; what is drawn before the seeding
 @pytest.mark.parametrize(
     "method, seed_at_import, preload_torch",
     [

@@ -69,6 +69,7 @@ def _check(ranks, world):
 
 
 @pytest.mark.slow
+@pytest.mark.one_mode  # under forkserver, the two-process test's part in CI's second run
 def test_one_process_through_the_ring(tmp_path):
     _check(_driver(tmp_path, [sys.executable, "-m", "tests.helpers.accelerate_driver"]), 1)
 

@@ -154,7 +154,10 @@ def test_the_trainer_trains_torchs_batches_through_the_ring(uninterrupted):
     assert uninterrupted["shm"] == uninterrupted["torch"]
 
 
+# Once (one_mode): Lightning's resume of the loop is the same under every start method;
+# resumed workers under forkserver are the resume matrix's (tests/equivalence/test_resume.py).
 @pytest.mark.slow
+@pytest.mark.one_mode
 @pytest.mark.parametrize(
     "step", [3, 4, 8], ids=["mid_epoch_0", "last_step_of_epoch_0", "last_step_of_epoch_1"]
 )

@@ -498,6 +498,10 @@ def _pause_rank3(job):
     return paused, node
 
 
+# The kills of two-node jobs run once (one_mode): what they test is torchrun's and gloo's
+# handling of a lost node, the same under every start method; a rank killed under
+# forkserver is test_single_node_rank_killed_mid_epoch's part in CI's second run.
+@pytest.mark.one_mode
 @pytest.mark.parametrize("killed", ["store_host", "other_node"])
 def test_two_nodes_node_killed(jobs, shm_before, killed):
     # Node 0's agent hosts the rendezvous store (is_host=1): with it gone, the survivor also
@@ -518,6 +522,7 @@ def test_two_nodes_node_killed(jobs, shm_before, killed):
     print(f"node {victim} killed (rank 3 on node {paused_node}): job ended in {took:.1f} s")
 
 
+@pytest.mark.one_mode  # (see test_two_nodes_node_killed)
 def test_two_nodes_rank_killed(jobs, shm_before):
     job = jobs("rank_killed").two_nodes("--pause-at", "3@1,1")
     paused, node = _pause_rank3(job)
@@ -530,6 +535,7 @@ def test_two_nodes_rank_killed(jobs, shm_before):
     print(f"rank 3 (node {node}) killed: job ended in {took:.1f} s")
 
 
+@pytest.mark.one_mode  # (see test_two_nodes_node_killed)
 def test_two_nodes_agent_alone_killed(jobs, shm_before):
     """SIGKILL of one agent's process group alone is not a node's death under torchrun: it
     starts each rank in a session of its own (and no parent-death signal), so that node's

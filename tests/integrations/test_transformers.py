@@ -57,6 +57,9 @@ def test_trainer_trains_and_resumes_through_the_ring(tmp_path):
     _check(runs)
 
 
+# Once (one_mode): the Trainer under forkserver is the one-process test's part in CI's second
+# run; the ranks' split is the same under every start method.
+@pytest.mark.one_mode
 def test_two_ranks_train_and_resume_through_the_ring(tmp_path):
     # The Trainer's set_epoch() reaches the sampler inside shmloader's loader: each epoch
     # the ranks share every sample out anew, as with the Trainer's own loaders.

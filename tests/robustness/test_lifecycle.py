@@ -640,6 +640,7 @@ def main_process(script, *args):
 
 
 @pytest.mark.slow
+@pytest.mark.one_mode  # names its start method; what a kill leaves behind
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_main_process_killed_workers_exit(context, signum):

@@ -289,6 +289,7 @@ except OSError:
 
 
 @pytest.mark.slow
+@pytest.mark.one_mode  # fork, and the files and processes of a limit
 def test_520_workers_wait_on_1040_fds():
     """Past 512 workers the wait's fds (two a worker) were more than its fixed array held,
     and the first wait failed with a bare "Invalid argument".  520 forked workers (about
@@ -328,6 +329,7 @@ def _drive(kind: str, method: str, limit: float) -> dict:
 # 64 spawned workers each import torch: about 75 s here on 2 loaded cores (fork ~5 s,
 # forkserver ~7 s, from shmloader's own server that imported torch once).
 @pytest.mark.slow
+@pytest.mark.one_mode  # names its start method; the files and processes of a limit
 @pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
 def test_64_workers_under_ulimit_1024(method):
     """64 workers, prefetch_factor=4, under `ulimit -n 1024`: they start, the epoch
@@ -343,6 +345,7 @@ def test_64_workers_under_ulimit_1024(method):
 
 
 @pytest.mark.slow
+@pytest.mark.one_mode  # names its start method; the files and processes of a limit
 @pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
 def test_eight_loaders_at_once_under_ulimit_1024(method):
     """Train and val loaders over four datasets (2-4 workers each, train's persistent),

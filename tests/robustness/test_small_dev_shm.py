@@ -82,6 +82,7 @@ LARGE = 3 * 224 * 224  # bytes of one uint8 image
 
 
 @pytest.mark.slow
+@pytest.mark.one_mode  # names its start method; where the ring's memory lives
 @pytest.mark.parametrize("shm", SMALL)
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_ring_batches_need_no_dev_shm(shm, context):

@@ -103,6 +103,7 @@ def test_spare_workers_exit_with_the_loader(context):
     assert wait_gone(spare, 30)[0] == []
 
 
+@pytest.mark.one_mode  # names its start method; what a kill leaves behind
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_a_spare_worker_killed_while_it_waits_is_replaced(context):
     """A spare worker that died idle (the OOM killer, say) is no error: the next
