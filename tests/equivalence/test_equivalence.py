@@ -639,6 +639,7 @@ def test_a_tensor_subclass_stacked_in_a_slot_leaves_later_batches_intact(slot_by
     assert type(t.epochs[0][11]) is D.MarkedTensor  # (sample 23: the case is real)
 
 
+@pytest.mark.one_mode  # names its start method; process names
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_workers_process_names_are_torchs(context):
     """A worker's process name (logging's %(processName)s) is its start method's class's, as

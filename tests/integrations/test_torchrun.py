@@ -424,6 +424,7 @@ def test_single_node_rank_killed_mid_epoch(jobs, shm_before):
 SAVE_AT = (1, 1)  # mid-epoch: after step 1 of epoch 1's 3 (48 samples / 4 ranks / batch 4)
 
 
+@pytest.mark.one_mode  # the split and resume are torchrun's and the sampler's (see below)
 def test_two_nodes_split_and_per_rank_resume(jobs, shm_before, tmp_path):
     full = jobs("full").two_nodes("--torch-ref", "--save-at", "%d,%d" % SAVE_AT, store_here=True)
     assert full.wait() == [0, 0], full.report()
@@ -498,9 +499,9 @@ def _pause_rank3(job):
     return paused, node
 
 
-# The kills of two-node jobs run once (one_mode): what they test is torchrun's and gloo's
-# handling of a lost node, the same under every start method; a rank killed under
-# forkserver is test_single_node_rank_killed_mid_epoch's part in CI's second run.
+# The two-node jobs run once (one_mode): what they test is torchrun's and gloo's handling of
+# nodes (a split, a lost node), the same under every start method; CI's second run has
+# torchrun's ranks under forkserver in the single-node tests, a rank's kill included.
 @pytest.mark.one_mode
 @pytest.mark.parametrize("killed", ["store_host", "other_node"])
 def test_two_nodes_node_killed(jobs, shm_before, killed):

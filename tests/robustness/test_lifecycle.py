@@ -827,6 +827,7 @@ def test_unpicklable_dataset_raising_its_own_error_class_like_torch():
 
 
 @pytest.mark.slow
+@pytest.mark.one_mode  # names its start method; an error at start and what it leaves
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_unpicklable_dataset_is_clear_error_and_leaves_nothing(context):
     loader = DataLoader(
@@ -1112,6 +1113,7 @@ def test_the_liveness_check_both_watchers_use(monkeypatch):
     assert _worker_watch.open_pidfd(os.getpid()) is None
 
 
+@pytest.mark.one_mode  # names its start method; how a worker's objects travel
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_workers_objects_are_pickled_once_per_iterator_not_per_worker(context):
     """Issue 38: under spawn and forkserver the dataset (with collate_fn and
@@ -1308,6 +1310,7 @@ def test_spawn_workers_fork_from_a_clean_server_and_start_as_spawned_ones(tmp_pa
     assert left == [], describe_stuck(left)
 
 
+@pytest.mark.one_mode  # names its start method; the workers' environment
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_workers_have_the_environment_their_start_method_gives(monkeypatch, context):
     """A spawned worker has the environment of the moment it starts, as torch's do, though

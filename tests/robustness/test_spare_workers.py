@@ -140,6 +140,7 @@ def _unpicklable():
     pass
 
 
+@pytest.mark.one_mode  # names its start method; an error at start and what it leaves
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_a_dataset_made_unpicklable_between_epochs_fails_as_torchs(context):
     """The dataset is pickled at each iter(), as torch pickles it: changed so

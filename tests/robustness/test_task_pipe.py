@@ -53,6 +53,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.one_mode  # names its start method; the task pipe
 @pytest.mark.parametrize("method", ["fork", "forkserver"])
 def test_a_task_bigger_than_a_pipe_holds_does_not_wait_for_its_busy_worker(tmp_path, method):
     script = tmp_path / "big_tasks.py"

@@ -292,6 +292,7 @@ def test_a_copy_is_itself_and_plain_pickle_carries_the_entries_into_a_segment_of
     assert segment_of(loaded) != segment_of(shared)
 
 
+@pytest.mark.one_mode  # names its start method; the SharedList's segment, not the ring
 @pytest.mark.parametrize("context", CONTEXTS)
 @pytest.mark.parametrize("loader", LOADERS)
 def test_workers_of_either_loader_read_the_segment_itself_under_every_start_method(loader, context):
@@ -313,6 +314,7 @@ def _receive(queue, results):
     results.put((list(entries), sorted(segments_of())))
 
 
+@pytest.mark.one_mode  # names its start method; no loader
 @pytest.mark.parametrize("context", CONTEXTS)
 def test_a_queue_to_a_running_process_sends_the_segment(context):
     """Outside a process start multiprocessing passes the fd through its resource sharer,
