@@ -303,8 +303,8 @@ class WorkerPool:
     def send_pickled(self, worker_id: int, data: bytes) -> None:
         try:
             send_bytes(self._tasks[worker_id], data)
-        except OSError:
-            self._raise_if_gone(worker_id)
+        except OSError as e:
+            self._raise_if_gone(worker_id, e)
             raise
 
     def broadcast(self, msg) -> None:
@@ -316,8 +316,8 @@ class WorkerPool:
             if i not in self._exiting:
                 try:
                     send_bytes(conn, data)
-                except OSError:
-                    self._raise_if_gone(i)
+                except OSError as e:
+                    self._raise_if_gone(i, e)
                     raise
 
     def send_ring(self, ring) -> None:
@@ -335,8 +335,8 @@ class WorkerPool:
         try:
             with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 sendfds(s, fds)
-        except OSError:
-            self._raise_if_gone(worker_id)
+        except OSError as e:
+            self._raise_if_gone(worker_id, e)
             raise
 
     def stop(self, worker_id: int) -> None:
@@ -372,7 +372,7 @@ class WorkerPool:
                         raise RuntimeError(_torch_api.TOO_MANY_FILES) from None
                     if isinstance(e, RuntimeError):
                         raise
-                    self._raise_if_gone(worker_id)
+                    self._raise_if_gone(worker_id, e)
                     raise
         if messages:
             # A worker's last words (its error, say) go first; its sentinel
@@ -385,13 +385,16 @@ class WorkerPool:
                 self.raise_if_dead()
         return messages
 
-    def _raise_if_gone(self, worker_id: int) -> None:
-        """WorkerDied if worker_id died, where a pipe to it broke (EPIPE, EOF).
-        A pipe breaks as the worker's process ends, and its exit shows a little
-        later: a forkserver's or spawn server's worker's once that server has
-        reaped it and sent its status, which a loaded machine delays.  Waits
-        for that (bounded, in case the worker closed its pipe and lives on)."""
-        self.processes[worker_id].join(JOIN_TIMEOUT)
+    def _raise_if_gone(self, worker_id: int, error: BaseException) -> None:
+        """WorkerDied if worker_id died, where talking to it failed with
+        `error`.  A pipe breaks (EPIPE, EOF) as the worker's process ends, and
+        its exit shows a little later: a forkserver's or spawn server's
+        worker's once that server has reaped it and sent its status, which a
+        loaded machine delays.  So a broken pipe waits for that exit (bounded,
+        in case the worker closed its pipe and lives on); another error (out
+        of files) does not."""
+        if isinstance(error, (EOFError, BrokenPipeError, ConnectionError)):
+            self.processes[worker_id].join(JOIN_TIMEOUT)
         self.raise_if_dead()
 
     def raise_if_dead(self) -> None:
