@@ -400,6 +400,7 @@ def test_single_node_two_ranks_equal_torch(jobs, shm_before):
     job.assert_nothing_left(shm_before)
 
 
+@pytest.mark.one_mode  # torchrun's handling of a failed rank; a killed one runs in both
 def test_single_node_rank_raises(jobs, shm_before):
     # Rank 1 raises mid-epoch (its iterator and workers alive); rank 0 waits in DDP's
     # all-reduce for it.  The agent sees rank 1 fail and ends rank 0 (SIGTERM).
