@@ -393,7 +393,7 @@ class WorkerPool:
         loaded machine delays.  So a broken pipe waits for that exit (bounded,
         in case the worker closed its pipe and lives on); another error (out
         of files) does not."""
-        if isinstance(error, (EOFError, BrokenPipeError, ConnectionError)):
+        if isinstance(error, (EOFError, ConnectionError)):  # (BrokenPipeError is one)
             self.processes[worker_id].join(JOIN_TIMEOUT)
         self.raise_if_dead()
 
