@@ -88,6 +88,7 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         self._died: str | None = None  # the message of the WorkerDied that ended it
         self._interrupted: str | None = None  # the name of the interrupt that ended it
         self._shutdown = False
+        self._finishing = False  # its sampler ran out: workers told FINISH (_finish_workers)
         self._owner_pid = os.getpid()
         self._made_with = loader._options()  # see DataLoader.__iter__
         self._in_order = loader.in_order
@@ -247,6 +248,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             index = epochs.draw(self._next_index)
         except StopIteration:
             if not self._start_next_epoch():
+                if not self._finishing:
+                    self._finish_workers()
                 return
             try:
                 index = epochs.draw(self._next_index)
@@ -266,6 +269,18 @@ class ShmLoaderIter(_BaseDataLoaderIter):
         task_id = record.next_task_id
         position = record.take_position(epochs.samples_in(index))
         record.sent(worker_id, self._dispatch(worker_id, task_id, index, position))
+
+    def _finish_workers(self) -> None:
+        """The epoch's every task is sent: a non-persistent iterator's
+        workers exit as their last batches are unpacked (see NOTE [pool:
+        finished workers] in _pool.py).  fetch="batch" only: with
+        fetch="sample" every worker may still write any slot until the
+        epoch ends."""
+        if not self._persistent_workers and self._fetch == "batch":
+            self._finishing = True
+            for worker_id, tasks in enumerate(self._record.workers_num_tasks):
+                if not tasks:
+                    self._pool.finish(worker_id)
 
     def _dispatch(self, worker_id, task_id, index, position):
         """Send one batch's task: to every worker (fetch="sample": rows of
@@ -438,6 +453,8 @@ class ShmLoaderIter(_BaseDataLoaderIter):
             progress.batch_yielded(idx, worker_id, data.state, number)
             data.wrapper.reraise()
         batch, worker_state = self._delivery.unpack(data)
+        if self._finishing and not self._record.workers_num_tasks[worker_id]:
+            self._pool.finish(worker_id)  # its last batch is unpacked
         progress.batch_yielded(idx, worker_id, worker_state, number)
         return self._delivery.to_device(batch, data)
 

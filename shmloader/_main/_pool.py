@@ -37,6 +37,7 @@ from .._worker._config import WorkerConfig
 from .._worker._loop import configured_worker_loop, worker_loop
 from .._worker._protocol import (
     EXIT,
+    FINISH,
     LEAVE,
     NO_RING_FDS_EXIT,
     NO_RING_MAPPING_EXIT,
@@ -181,6 +182,25 @@ def _raise_unpicklable(
 # iter() with their config.
 
 
+# NOTE [pool: finished workers]
+# Once a non-persistent iterator's sampler has run out (every task of the
+# epoch sent), each worker is told FINISH as soon as the last batch it made
+# has been unpacked in the main process (ShmLoaderIter._finish_workers):
+# it says FINISHED and exits while the training loop still takes the
+# epoch's last batches.  Else they would all exit at the epoch's end, the
+# moment the next epoch's workers start on the same cores: tearing down a
+# process forked from a server with torch in it takes some 3-4 ms of CPU,
+# and the exits share the kernel's locks on the server's memory with the
+# new workers' first writes to it (at SCHED_IDLE, LEAVE, an exit holding
+# such a lock was seen to stall a new worker's seeding for 12 ms).  Not
+# before the unpacking: a batch that carries tensors by torch's transport
+# (fallback leaves) fetches their fds from the worker that sent them, which
+# must still be there.  A finishing worker is watched as any other until
+# its FINISHED arrives (so its death before that is reported); from then
+# on it is as one told to exit, and what is sent to it after FINISH (a ring
+# made meanwhile) is never read, so it is not sent.
+
+
 class WorkerPool:
     def __init__(self, ctx) -> None:
         self.ctx = ctx
@@ -190,6 +210,7 @@ class WorkerPool:
         self._tasks: list[Connection] = []
         self._results: list[Connection] = []
         self._exiting: set[int] = set()
+        self._finishing: set[int] = set()  # told FINISH: what is sent after it is never read
         self._leaving_by = 0.0  # (leave_idle: when those not gone are killed)
         self._reaped: set[int] = set()  # (leave_idle: those closed since)
         self._conn_of_fd: dict[int, int] = {}
@@ -276,13 +297,21 @@ class WorkerPool:
                 shared = SharedObjects.dump({name: configs[0][name] for name in _SHARED_FIELDS})
             except (TypeError, AttributeError, PicklingError) as e:
                 _raise_unpicklable(e, ctx, configs[0]["worker_id"])
+            turns, first = _turn_fds(len(configs)), _first_turn()
             try:
                 for i, fields in enumerate(configs):
                     own = {k: v for k, v in fields.items() if k not in _SHARED_FIELDS}
-                    self.send(i, Configure.wire(own, len(shared.fds)))
-                    self._send_fds(i, shared.fds)
+                    # Its turn fds go first (see NOTE [worker: start turns]).
+                    wait, passes = turns.get(i), turns.get(i + first)
+                    own["turn_wait"], own["turn_pass"] = wait is not None, passes is not None
+                    own["turn_wait_s"] = TURN_WAIT_S
+                    fds = [fd for fd in (wait, passes) if fd is not None] + shared.fds
+                    self.send(i, Configure.wire(own, len(fds)))
+                    self._send_fds(i, fds)
             finally:
                 shared.close()  # (each worker has its own fds now)
+                for fd in turns.values():
+                    os.close(fd)
         except BaseException:
             self.shutdown()
             raise
@@ -308,12 +337,12 @@ class WorkerPool:
             raise
 
     def broadcast(self, msg) -> None:
-        """Send one message to every worker not told to exit (pickled once)."""
+        """Send one message to every worker not told to exit or finish (pickled once)."""
         self.broadcast_pickled(pickled(msg))
 
     def broadcast_pickled(self, data: bytes) -> None:
         for i, conn in enumerate(self._tasks):
-            if i not in self._exiting:
+            if i not in self._exiting and i not in self._finishing:
                 try:
                     send_bytes(conn, data)
                 except OSError as e:
@@ -323,8 +352,8 @@ class WorkerPool:
     def send_ring(self, ring) -> None:
         """Hand the ring's fds to every worker (SCM_RIGHTS over its result socket)."""
         for i in range(len(self._tasks)):
-            if i in self._exiting:
-                continue
+            if i in self._exiting or i in self._finishing:
+                continue  # (its tasks were sent before the ring was made: none needs it)
             self.send(i, RingFds.wire())
             self._send_fds(i, list(ring.fds))
 
@@ -341,12 +370,23 @@ class WorkerPool:
 
     def stop(self, worker_id: int) -> None:
         """Tell one worker to exit (its IterableDataset is exhausted)."""
-        self._exiting.add(worker_id)
-        self._update_wait_fds()
+        self._stopped(worker_id)
         try:
             self._tasks[worker_id].send(EXIT)
         except OSError:
             pass
+
+    def finish(self, worker_id: int) -> None:
+        """Tell worker_id to exit, saying FINISHED first, once it has answered
+        the tasks it was sent (see NOTE [pool: finished workers])."""
+        if worker_id not in self._exiting and worker_id not in self._finishing:
+            self.send(worker_id, FINISH)
+            self._finishing.add(worker_id)
+
+    def _stopped(self, worker_id: int) -> None:
+        """worker_id is leaving: its exit is no death, its pipe no news."""
+        self._exiting.add(worker_id)
+        self._update_wait_fds()
 
     def receive(self, fired_fds):
         """(worker_id, message) for each result pipe among `fired_fds`; raises
@@ -360,6 +400,9 @@ class WorkerPool:
                 try:
                     msg = from_worker(self._results[worker_id].recv())
                     kind = msg.kind
+                    if kind == "finished":
+                        self._stopped(worker_id)
+                        continue
                     if kind == "segment":  # its fds follow in the stream
                         msg = msg._replace(lease=_one_off.receive(self._results[worker_id]))
                     messages.append((worker_id, msg))
@@ -379,7 +422,7 @@ class WorkerPool:
             # stays readable, so the next wait reports the death.
             return messages
         for fd in fired_fds:
-            if fd in self._sentinels:
+            if fd in self._sentinels and self._sentinels[fd] not in self._exiting:
                 # A sentinel can fire a moment before the exit can be reaped.
                 self.processes[self._sentinels[fd]].join(1.0)
                 self.raise_if_dead()
@@ -524,6 +567,33 @@ def reap_leaving(wait: bool = False) -> None:
         # (a forked child's copy of the list: its parent's workers)
         if pool.owner_pid == os.getpid() and not pool.reap(wait):
             _leaving.append(pool)
+
+
+# The longest a worker waits for its turn to set up (NOTE [worker: start
+# turns] in _worker/_turns.py); sent in its config.
+TURN_WAIT_S = 0.02
+
+
+def _first_turn() -> int:
+    """How many workers set up at once (NOTE [worker: start turns]): one
+    per core this process (and so each worker) may run on, less the one the
+    training process itself runs on."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def _turn_fds(count: int) -> dict[int, int]:
+    """The eventfd of each worker that waits for its turn, by worker id:
+    worker k waits on it, worker k - _first_turn() signals it.  Empty where
+    no fd is left: turns are optional."""
+    turns: dict[int, int] = {}
+    try:
+        for worker_id in range(_first_turn(), count):
+            turns[worker_id] = os.eventfd(0, os.EFD_CLOEXEC)
+    except OSError:
+        for fd in turns.values():
+            os.close(fd)
+        return {}
+    return turns
 
 
 def pickled(msg) -> bytes:

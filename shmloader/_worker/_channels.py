@@ -16,7 +16,7 @@ from torch._utils import ExceptionWrapper
 
 from ._config import WorkerConfig
 from ._exit import NoRingFds, step_aside, without_ring
-from ._protocol import EXIT, LEAVE, RingFds, from_main
+from ._protocol import EXIT, FINISH, LEAVE, RingFds, from_main
 from ._shared_objects import SharedObjects
 from ._watch import WATCHDOG_INTERVAL, is_alive, open_pidfd
 
@@ -34,6 +34,13 @@ def receive_config(tasks, results) -> WorkerConfig | None:
         fds = _receive_fds(results, msg.nfds)
     except NoRingFds as e:  # (its first fds: only a limit of a handful of files does that)
         without_ring(msg.fields["worker_id"], e)
+    fields = dict(msg.fields)
+    # Its turn fds first (see _turns.py), as the fields say it has them.
+    for name in ("turn_wait", "turn_pass"):
+        if fields[name]:
+            fields[name] = fds.pop(0)
+        else:
+            fields[name] = None
     return WorkerConfig(
         tasks=tasks,
         results=results,
@@ -41,7 +48,7 @@ def receive_config(tasks, results) -> WorkerConfig | None:
         collate_fn=None,
         init_fn=None,
         shared=SharedObjects.received(fds),
-        **msg.fields,
+        **fields,
     )
 
 
@@ -89,7 +96,7 @@ class Inbox:
                 # reading its end (EOFError) is this worker's way out.
                 step_aside()
                 msg = EXIT
-            if msg is not EXIT and msg.kind == "ring":
+            if msg is not EXIT and msg is not FINISH and msg.kind == "ring":
                 # The fds follow the message: take them now.
                 self.ring_fds = _receive_fds(self._results, 2)
             else:

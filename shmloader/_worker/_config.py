@@ -33,3 +33,9 @@ class WorkerConfig:
     # spawn and forkserver: dataset, collate_fn and init_fn, pickled once for
     # all workers (then None above); see _shared_objects.py.
     shared: SharedObjects | None = None
+    # Start turns (_turns.py; spawn and forkserver): the eventfd this worker
+    # waits on before its set-up (turn_wait_s at most), and the one it
+    # signals once it has answered its first task; None where it has none.
+    turn_wait: int | None = None
+    turn_pass: int | None = None
+    turn_wait_s: float = 0.0

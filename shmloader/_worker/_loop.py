@@ -16,6 +16,7 @@ This module starts the worker and runs its loop; the rest of the worker side
     _watch.py     whether the main process still lives
     _channels.py  its inbox (the task pipe) and send (the result socket)
     _slots.py     the ring as it mapped it, and its counters
+    _turns.py     when it begins its set-up, where workers outnumber cores
     _tasks.py     what its tasks share (TaskContext)
     _batch.py     a whole batch
     _rows.py      fetch="sample": a batch's rows, the first batch's probe
@@ -47,10 +48,11 @@ from ._channels import Inbox, receive_config, send
 from ._config import WorkerConfig
 from ._exit import NoRingFds, NoRingMapping, orphaned, set_exit_handlers, without_ring
 from ._malloc import keep_freed_memory
-from ._protocol import EXIT, ErrorReply
+from ._protocol import EXIT, FINISH, FINISHED, ErrorReply
 from ._rows import probe, rows
 from ._slots import MappedRing
 from ._tasks import TaskContext, reseeded
+from ._turns import pass_turn, wait_for_turn
 from ._watch import start_watchdog
 
 
@@ -108,6 +110,7 @@ def _leaving_as_torch(manager_pid: int, config: Callable[[], WorkerConfig | None
 
 
 def _run(cfg: WorkerConfig) -> None:
+    wait_for_turn(cfg.turn_wait, cfg.turn_wait_s)
     if cfg.shared is not None:
         # Before the seeding, as torch's workers unpickle their dataset.
         cfg = dataclasses.replace(cfg, **cfg.shared.load(), shared=None)
@@ -119,11 +122,15 @@ def _run(cfg: WorkerConfig) -> None:
     ctx = TaskContext(cfg, dataset)
     ctx.start()
     inbox = Inbox(cfg.tasks, cfg.results, cfg.manager_pid)
+    turn = cfg.turn_pass  # signalled once its first task is answered
     while True:
         msg = inbox.next()
         if msg is EXIT:
             if inbox.manager_gone:
                 orphaned()
+            break
+        if msg is FINISH:
+            cfg.results.send(FINISHED)
             break
         kind = msg.kind
         if kind == "ring":
@@ -135,6 +142,9 @@ def _run(cfg: WorkerConfig) -> None:
             cfg.results.send(ctx.resume(msg))
         else:
             _answer(ctx, msg, stale=ctx.iteration_end or inbox.superseded())
+            if turn is not None:
+                pass_turn(turn)
+                turn = None
 
 
 def _set_up_process(cfg: WorkerConfig) -> int:

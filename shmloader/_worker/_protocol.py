@@ -2,9 +2,9 @@
 
 Main -> worker, over the worker's task pipe: Configure (first, under spawn
 and forkserver), RingFds, UseLayout, Task, Rows, Probe, ResumeWorker, and
-EXIT or LEAVE (the fds of Configure and RingFds follow over the result
-socket).  Worker -> main, over the worker's result socket: Segment, Batch,
-ErrorReply, RowErrorReply, Described, Stop, Resumed.  A batch written into a ring slot sends no message at all: the
+EXIT, LEAVE or FINISH (the fds of Configure and RingFds follow over the
+result socket).  Worker -> main, over the worker's result socket: Segment,
+Batch, ErrorReply, RowErrorReply, Described, Stop, Resumed, FINISHED.  A batch written into a ring slot sends no message at all: the
 slot is published on the ring (see _ring.pyx), and the main process takes
 it as a SlotLease.  The records are replies, not exceptions: an error
 travels inside ErrorReply or RowErrorReply, wrapped as torch wraps it.
@@ -41,9 +41,14 @@ SPILL = "spill"  # it did not fit its slot
 
 # Main -> worker: exit (the iterator shuts down, or the worker's
 # IterableDataset ran out); LEAVE: exit where nobody waits for it, in the
-# cores' idle time (_exit.step_aside).  Sent as they are, not as tuples.
+# cores' idle time (_exit.step_aside); FINISH: exit once the tasks sent
+# before it are answered, saying FINISHED first (a non-persistent iterator's
+# sampler ran out: see NOTE [pool: finished workers] in _main/_pool.py).
+# EXIT supersedes the tasks queued before it (they are given up), FINISH
+# does not.  Sent as they are, not as tuples.
 EXIT = None
 LEAVE = False
+FINISH = True
 
 # A worker's exit status when the ring's fds did not reach it or could not be
 # mapped (no room for more open files), or when its address space had no room
@@ -252,6 +257,19 @@ class Stop(NamedTuple):
         return ("stop", task_id, state)
 
 
+class Finished(NamedTuple):
+    """Worker -> main, answering FINISH: this worker's last message; it exits."""
+
+    kind: str
+
+    @staticmethod
+    def wire() -> tuple:
+        return ("finished",)
+
+
+FINISHED = Finished.wire()
+
+
 class Resumed(NamedTuple):
     """Worker -> main, answering ResumeWorker: where the worker's new epoch begins."""
 
@@ -282,13 +300,14 @@ _FROM_WORKER = {
     "layout": Described._make,
     "stop": Stop._make,
     "resumed": Resumed._make,
+    "finished": Finished._make,
 }
 
 
 def from_main(msg):
-    """The record of a message the worker read from its task pipe (EXIT and
-    LEAVE as they are)."""
-    return msg if msg is EXIT or msg is LEAVE else _FROM_MAIN[msg[0]](msg)
+    """The record of a message the worker read from its task pipe (EXIT,
+    LEAVE and FINISH as they are)."""
+    return msg if msg is EXIT or msg is LEAVE or msg is FINISH else _FROM_MAIN[msg[0]](msg)
 
 
 def from_worker(msg):
