@@ -122,7 +122,7 @@ def _run(cfg: WorkerConfig) -> None:
     ctx = TaskContext(cfg, dataset)
     ctx.start()
     inbox = Inbox(cfg.tasks, cfg.results, cfg.manager_pid)
-    turn = cfg.turn_pass  # signalled once its first task is answered
+    turn = cfg.turn_pass  # signalled once its first task (or resume) is answered
     while True:
         msg = inbox.next()
         if msg is EXIT:
@@ -138,11 +138,12 @@ def _run(cfg: WorkerConfig) -> None:
             inbox.ring_fds = None
         elif kind == "layout":
             ctx.layout = msg.layout
-        elif kind == "resume":
-            cfg.results.send(ctx.resume(msg))
         else:
-            _answer(ctx, msg, stale=ctx.iteration_end or inbox.superseded())
-            if turn is not None:
+            if kind == "resume":
+                cfg.results.send(ctx.resume(msg))
+            else:
+                _answer(ctx, msg, stale=ctx.iteration_end or inbox.superseded())
+            if turn is not None:  # (a resume is answered before any task is sent)
                 pass_turn(turn)
                 turn = None
 
