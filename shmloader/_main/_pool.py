@@ -297,7 +297,8 @@ class WorkerPool:
                 shared = SharedObjects.dump({name: configs[0][name] for name in _SHARED_FIELDS})
             except (TypeError, AttributeError, PicklingError) as e:
                 _raise_unpicklable(e, ctx, configs[0]["worker_id"])
-            turns, first = _turn_fds(len(configs)), _first_turn()
+            first = _first_turn()
+            turns = _turn_fds(len(configs), first)
             try:
                 for i, fields in enumerate(configs):
                     own = {k: v for k, v in fields.items() if k not in _SHARED_FIELDS}
@@ -581,13 +582,13 @@ def _first_turn() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-def _turn_fds(count: int) -> dict[int, int]:
+def _turn_fds(count: int, first: int) -> dict[int, int]:
     """The eventfd of each worker that waits for its turn, by worker id:
-    worker k waits on it, worker k - _first_turn() signals it.  Empty where
-    no fd is left: turns are optional."""
+    worker k waits on it, worker k - first (_first_turn()) signals it.
+    Empty where no fd is left: turns are optional."""
     turns: dict[int, int] = {}
     try:
-        for worker_id in range(_first_turn(), count):
+        for worker_id in range(first, count):
             turns[worker_id] = os.eventfd(0, os.EFD_CLOEXEC)
     except OSError:
         for fd in turns.values():
